@@ -1,0 +1,70 @@
+"""Shared test fixtures: paths to ../shared, unpacked oracle GGUFs, the tiny synthetic model."""
+
+from __future__ import annotations
+
+import lzma
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("DS4_SHARED", REPO.parent / "shared"))
+OFFICIAL_TINY = SHARED / "fixtures" / "official-tiny"
+TEST_VECTORS = SHARED / "test-vectors"
+BENCH_TEXT = SHARED / "bench-text" / "promessi_sposi.txt"
+
+# Unpacked fixtures live outside the repo so that the working tree stays small (and travels to the GPU).
+CACHE = Path(os.environ.get("DS4_TEST_CACHE", Path.home() / ".cache" / "ds4-test"))
+
+
+def _unpack(name: str) -> Path:
+    src = OFFICIAL_TINY / f"{name}.xz"
+    if not src.exists():
+        pytest.skip(f"oracle fixture missing: {src}")
+    dst = CACHE / "official-tiny" / name
+    if not dst.exists() or dst.stat().st_mtime < src.stat().st_mtime:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_suffix(".tmp")
+        with lzma.open(src) as fin, open(tmp, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+        tmp.replace(dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def official_gguf() -> Path:
+    """The official-tiny oracle model (F32, F16 embeddings) as a GGUF path."""
+    return _unpack("model.gguf")
+
+
+@pytest.fixture(scope="session")
+def official_q8_gguf() -> Path:
+    """The official-tiny oracle model with Q8_0 matrices."""
+    return _unpack("model-q8.gguf")
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED.exists():
+        pytest.skip(f"../shared not found at {SHARED}")
+    return SHARED
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing entirely
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: GPU-only test, run on the device machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
