@@ -153,6 +153,10 @@ KV_CACHE_CONTINUED_INTERVAL_TOKENS = 10000
 KV_CACHE_BOUNDARY_TRIM_TOKENS = 32
 KV_CACHE_BOUNDARY_ALIGN_TOKENS = 2048
 
+# Exact-DSML tool replay memory (product.md §2.7)
+TOOL_MEMORY_MAX_IDS = 100000  # --tool-memory-max-ids
+TOOL_MEMORY_MAX_BYTES = 512 << 20  # total id + block bytes kept
+
 # Server
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
