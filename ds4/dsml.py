@@ -255,7 +255,9 @@ def _as_call(call: ToolCall | Mapping[str, Any]) -> ToolCall:
     args = src.get("arguments", src.get("input", "{}"))
     if args is None:
         args = "{}"
-    return ToolCall(src["name"], args if isinstance(args, str) else json_compact(args), str(call.get("id") or ""))
+    return ToolCall(
+        src["name"], args if isinstance(args, str) else json_compact(args), str(call.get("id") or "")
+    )
 
 
 def _canonical_params(arguments: str) -> list[tuple[str, str, bool]]:
@@ -283,3 +285,792 @@ def render_tool_calls(calls: Iterable[ToolCall | Mapping[str, Any]]) -> str:
         out.append(f"</{DSML}invoke>\n")
     out.append(f"</{DSML}tool_calls>")
     return "".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tag families (§2.2)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """One tag family: canonical `<｜DSML｜…>`, short `<DSML｜…>` or plain XML `<…>`."""
+
+    name: str
+    lead: str  # between "<" (or "</") and the tag word
+
+    @property
+    def calls_open(self) -> str:
+        return f"<{self.lead}tool_calls>"
+
+    @property
+    def calls_close(self) -> str:
+        return f"</{self.lead}tool_calls>"
+
+    @property
+    def invoke_open(self) -> str:
+        return f"<{self.lead}invoke"
+
+    @property
+    def invoke_close(self) -> str:
+        return f"</{self.lead}invoke>"
+
+    @property
+    def param_open(self) -> str:
+        return f"<{self.lead}parameter"
+
+    @property
+    def param_close(self) -> str:
+        return f"</{self.lead}parameter>"
+
+    @property
+    def param_close_escaped(self) -> str:
+        """The one entity form a string value may contain (decoded back to `param_close`)."""
+        return "&lt;" + self.param_close[1:]
+
+
+FAMILIES = (Family("dsml", DSML), Family("short", DSML[1:]), Family("xml", ""))
+_START_MARKERS = tuple(f.calls_open for f in FAMILIES)
+
+
+def new_tool_id(prefix: str = "call_", taken: Callable[[str], bool] | None = None) -> str:
+    """`prefix` + 32 lowercase hex (16 random bytes), retried while `taken(id)` says it is in use."""
+    while True:
+        tool_id = prefix + secrets.token_hex(16)
+        if taken is None or not taken(tool_id):
+            return tool_id
+
+
+def _partial_suffix(text: str, tokens: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tokens`."""
+    longest = max(len(t) for t in tokens) - 1
+    for k in range(min(longest, len(text)), 0, -1):
+        tail = text[-k:]
+        if any(t.startswith(tail) and t != tail for t in tokens):
+            return k
+    return 0
+
+
+def _earliest(text: str, tokens: Sequence[str], start: int = 0) -> tuple[int, str | None]:
+    best, found = -1, None
+    for tok in tokens:
+        pos = text.find(tok, start)
+        if pos >= 0 and (best < 0 or pos < best):
+            best, found = pos, tok
+    return best, found
+
+
+# ---------------------------------------------------------------------------------------------
+# Stream events (what the server layer maps to OpenAI / Anthropic / Responses chunks)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningEnd:
+    """`</think>` was seen (Anthropic: signature_delta + content_block_stop)."""
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolArgsDelta:
+    """A fragment of the call's arguments JSON; the fragments of one call add up to its `arguments`."""
+
+    index: int
+    fragment: str
+
+
+@dataclass(frozen=True)
+class ToolCallEnd:
+    index: int
+
+
+@dataclass(frozen=True)
+class ToolBlockEnd:
+    """The block closed and parsed; with tools active the caller stops decoding (finish=tool_calls)."""
+
+    raw_dsml: str
+
+
+@dataclass(frozen=True)
+class ToolParseError:
+    """The block is invalid (§2.10): every ToolCall* event so far is void. The block's text, from the
+    separator whitespace on, follows as ContentDelta, and so does everything generated after it."""
+
+    message: str
+
+
+Event = (
+    ReasoningDelta | ReasoningEnd | ContentDelta | ToolCallStart | ToolArgsDelta | ToolCallEnd
+    | ToolBlockEnd | ToolParseError
+)  # fmt: skip
+
+
+@dataclass
+class ParsedMessage:
+    """The final parse of one generated message (§2.3)."""
+
+    reasoning: str | None  # None when thinking is off
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+    raw_dsml: str | None = None  # exact sampled block (with its leading "\n\n") when calls parsed
+    error: str | None = None  # why the block was rejected; its text is then part of `content`
+    reasoning_closed: bool = False  # `</think>` seen (thinking mode)
+    block_started: bool = False  # a start marker was seen after the reasoning
+
+
+class _Phase(Enum):
+    THINK_START = "think_start"  # maybe skip a leading <think>
+    REASONING = "reasoning"
+    CONTENT = "content"
+    BLOCK = "block"  # between invokes
+    INVOKE_TAG = "invoke_tag"  # inside `<invoke ...` up to '>'
+    PARAMS = "params"  # between parameters of an invoke (or of a loose nested object)
+    PARAM_TAG = "param_tag"
+    PARAM_PEEK = "param_peek"  # `string` missing: nested object or string value?
+    STRING_VALUE = "string_value"
+    JSON_VALUE = "json_value"
+    DONE = "done"  # block closed: the rest is discarded
+    FAILED = "failed"  # block rejected: the rest is content
+
+
+_BLOCK_PHASES = {
+    _Phase.BLOCK, _Phase.INVOKE_TAG, _Phase.PARAMS, _Phase.PARAM_TAG, _Phase.PARAM_PEEK,
+    _Phase.STRING_VALUE, _Phase.JSON_VALUE,
+}  # fmt: skip
+_MAX_TAG = 4096  # a tag's attribute text longer than this is junk, not a tag still arriving
+_ATTR_RE = re.compile(r'([A-Za-z_][\w:-]*)\s*=\s*"([^"]*)"')
+_WAIT = object()  # _match(): the buffer may still become one of the tokens
+
+
+class DsmlStream:
+    """Push parser over the raw generated text (§2.11), producing `Event`s; `finish()` then `message`.
+
+    Feed `str` pieces, or `bytes` (an incomplete UTF-8 tail is held). Any split gives the same events'
+    concatenations: reasoning, content and each call's arguments. Hold-back: a possible `</think>` prefix
+    in reasoning; in content, trailing whitespace and a possible start-marker prefix; in a string value, a
+    possible closing tag or escaped-closing-tag prefix; non-string values until their closing tag.
+    """
+
+    def __init__(
+        self,
+        *,
+        thinking: bool,
+        id_prefix: str = "call_",
+        taken: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.thinking = thinking
+        self._id_prefix = id_prefix
+        self._taken = taken
+        self._phase = _Phase.THINK_START if thinking else _Phase.CONTENT
+        self._buf = ""  # unconsumed text of the current phase
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._out: list[Event] = []
+        self._finished = False
+        # block state
+        self._family: Family = FAMILIES[0]
+        self._sep = ""  # whitespace trimmed before the marker (content again if the block fails)
+        self._raw_lead = ""  # "\n\n" when the marker followed one
+        self._block: list[str] = []  # consumed block text from the marker on
+        self._first = True  # no member yet in the current invoke's object
+        self._nested = False  # inside a loose nested object
+        self._nested_first = True
+        self._scan = 0  # JSON_VALUE: where the closing-tag search resumes
+        self._tail = ""  # FAILED: last bytes, to see the closing marker across pieces
+        # results
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._calls: list[tuple[str, str, list[str]]] = []  # (id, name, fragments)
+        self._ids: set[str] = set()
+        self._raw_dsml: str | None = None
+        self._error: str | None = None
+        self.reasoning_closed = False
+        self.block_started = False
+        self.block_ended = False  # start marker then its end marker seen (§2.9 stop rule)
+
+    # ---- public API ----
+
+    def feed(self, piece: str | bytes) -> list[Event]:
+        if self._finished:
+            raise ValueError("DsmlStream.feed() after finish()")
+        self._buf += self._utf8.decode(piece) if isinstance(piece, bytes) else piece
+        self._run(final=False)
+        return self._drain()
+
+    def finish(self) -> list[Event]:
+        """Flush held text; an open block fails as `unterminated tool call`."""
+        if not self._finished:
+            self._buf += self._utf8.decode(b"", final=True)
+            self._run(final=True)
+            self._finished = True
+        return self._drain()
+
+    @property
+    def in_block(self) -> bool:
+        """Inside a started, not yet closed, not failed block (continued checkpoints are suppressed)."""
+        return self._phase in _BLOCK_PHASES
+
+    @property
+    def message(self) -> ParsedMessage:
+        if not self._finished:
+            raise ValueError("DsmlStream.message before finish()")
+        calls = [ToolCall(name, "".join(frags), tool_id) for tool_id, name, frags in self._calls]
+        return ParsedMessage(
+            reasoning="".join(self._reasoning) if self.thinking else None,
+            content="".join(self._content),
+            calls=calls,
+            raw_dsml=self._raw_dsml,
+            error=self._error,
+            reasoning_closed=self.reasoning_closed,
+            block_started=self.block_started,
+        )
+
+    # ---- plumbing ----
+
+    def _drain(self) -> list[Event]:
+        out, self._out = self._out, []
+        return out
+
+    def _emit(self, ev: Event) -> None:
+        if isinstance(ev, ReasoningDelta | ContentDelta) and not ev.text:
+            return
+        if isinstance(ev, ToolArgsDelta) and not ev.fragment:
+            return
+        self._out.append(ev)
+        if isinstance(ev, ReasoningDelta):
+            self._reasoning.append(ev.text)
+        elif isinstance(ev, ContentDelta):
+            self._content.append(ev.text)
+        elif isinstance(ev, ToolCallStart):
+            self._calls.append((ev.id, ev.name, []))
+        elif isinstance(ev, ToolArgsDelta):
+            self._calls[ev.index][2].append(ev.fragment)
+
+    def _id_taken(self, tool_id: str) -> bool:
+        return tool_id in self._ids or bool(self._taken and self._taken(tool_id))
+
+    def _args(self, fragment: str) -> None:
+        self._emit(ToolArgsDelta(len(self._calls) - 1, fragment))
+
+    def _take(self, n: int) -> str:
+        """Consume `n` chars of block text (they become part of raw_dsml)."""
+        text, self._buf = self._buf[:n], self._buf[n:]
+        self._block.append(text)
+        return text
+
+    def _run(self, final: bool) -> None:
+        handlers = {
+            _Phase.THINK_START: self._think_start,
+            _Phase.REASONING: self._reasoning_phase,
+            _Phase.CONTENT: self._content_phase,
+            _Phase.BLOCK: self._block_phase,
+            _Phase.INVOKE_TAG: self._invoke_tag,
+            _Phase.PARAMS: self._params,
+            _Phase.PARAM_TAG: self._param_tag,
+            _Phase.PARAM_PEEK: self._param_peek,
+            _Phase.STRING_VALUE: self._string_value,
+            _Phase.JSON_VALUE: self._json_value,
+            _Phase.DONE: self._done,
+            _Phase.FAILED: self._failed,
+        }
+        # Block handlers never flush: at the end a block still waiting for input is unterminated.
+        while handlers[self._phase](final and self._phase not in _BLOCK_PHASES):
+            pass
+        if final and self._phase in _BLOCK_PHASES:
+            self._fail("unterminated tool call")
+            self._run(final)
+
+    # ---- reasoning and content ----
+
+    def _think_start(self, final: bool) -> bool:
+        if self._buf.startswith(THINK_OPEN):
+            self._buf = self._buf[len(THINK_OPEN) :]
+        elif THINK_OPEN.startswith(self._buf) and not final:
+            return False
+        self._phase = _Phase.REASONING
+        return True
+
+    def _reasoning_phase(self, final: bool) -> bool:
+        pos = self._buf.find(THINK_CLOSE)
+        if pos >= 0:
+            self._emit(ReasoningDelta(self._buf[:pos]))
+            self._emit(ReasoningEnd())
+            self.reasoning_closed = True
+            self._buf = self._buf[pos + len(THINK_CLOSE) :]
+            self._phase = _Phase.CONTENT
+            return True
+        keep = 0 if final else _partial_suffix(self._buf, (THINK_CLOSE,))
+        self._emit(ReasoningDelta(self._buf[: len(self._buf) - keep]))
+        self._buf = self._buf[len(self._buf) - keep :]
+        return False
+
+    def _content_phase(self, final: bool) -> bool:
+        pos, marker = _earliest(self._buf, _START_MARKERS)
+        if marker is not None:
+            before = self._buf[:pos]
+            text = before.rstrip(WS)
+            self._emit(ContentDelta(text))
+            self._sep = before[len(text) :]
+            self._raw_lead = "\n\n" if self._sep.endswith("\n\n") else ""
+            self._family = FAMILIES[_START_MARKERS.index(marker)]
+            self._buf = self._buf[pos:]
+            self._take(len(marker))
+            self.block_started = True
+            self._phase = _Phase.BLOCK
+            return True
+        keep = 0
+        if not final:
+            held = len(self._buf) - _partial_suffix(self._buf, _START_MARKERS)
+            keep = len(self._buf) - len(self._buf[:held].rstrip(WS))
+        self._emit(ContentDelta(self._buf[: len(self._buf) - keep]))
+        self._buf = self._buf[len(self._buf) - keep :]
+        return False
+
+    # ---- block structure ----
+
+    def _match(self, tokens: Sequence[str], final: bool) -> Any:
+        """Skip whitespace, then the token the buffer starts with, _WAIT, or None (no match)."""
+        ws = len(self._buf) - len(self._buf.lstrip(WS))
+        if ws:
+            self._take(ws)
+        for tok in tokens:
+            if self._buf.startswith(tok):
+                return tok
+        if not final and any(tok.startswith(self._buf) for tok in tokens):
+            return _WAIT
+        return None
+
+    def _open_tag(self, tag: str, final: bool) -> Any:
+        """An opening tag word must be followed by whitespace or '>' (so `<invokes>` is not `<invoke`)."""
+        if len(self._buf) == len(tag):
+            return None if final else _WAIT
+        return tag if self._buf[len(tag)] in WS + ">" else None
+
+    def _block_phase(self, final: bool) -> bool:
+        fam = self._family
+        tok = self._match((fam.calls_close, fam.invoke_open), final)
+        if tok == fam.invoke_open:
+            tok = self._open_tag(tok, final)
+        if tok is _WAIT:
+            return False
+        if tok is None:
+            return self._fail(f"expected {fam.invoke_open} or {fam.calls_close}")
+        self._take(len(tok))
+        if tok == fam.calls_close:
+            self._raw_dsml = self._raw_lead + "".join(self._block)
+            self.block_ended = True
+            self._emit(ToolBlockEnd(self._raw_dsml))
+            self._phase = _Phase.DONE
+        else:
+            self._phase = _Phase.INVOKE_TAG
+        return True
+
+    def _tag_attrs(self) -> dict[str, str] | None | Any:
+        gt = self._buf.find(">")
+        if gt < 0:
+            return None if len(self._buf) > _MAX_TAG else _WAIT
+        attrs: dict[str, str] = {}
+        for key, value in _ATTR_RE.findall(self._take(gt + 1)):
+            attrs.setdefault(key, unescape_attr(value))
+        return attrs
+
+    def _invoke_tag(self, final: bool) -> bool:
+        attrs = self._tag_attrs()
+        if attrs is _WAIT:
+            return False
+        if attrs is None or "name" not in attrs:
+            return self._fail("invoke tag without a name")
+        tool_id = new_tool_id(self._id_prefix, self._id_taken)
+        self._ids.add(tool_id)
+        self._emit(ToolCallStart(len(self._calls), tool_id, attrs["name"]))
+        self._args("{")
+        self._first, self._nested = True, False
+        self._phase = _Phase.PARAMS
+        return True
+
+    def _params(self, final: bool) -> bool:
+        fam = self._family
+        if self._nested:
+            tok = self._match((fam.param_open, fam.param_close), final)
+            if tok == fam.param_open:
+                tok = self._open_tag(tok, final)
+            if tok is _WAIT:
+                return False
+            if tok != fam.param_open:  # end of the loose object; its own closing tag is optional
+                if tok == fam.param_close:
+                    self._take(len(tok))
+                self._args("}")
+                self._nested = False
+                return True
+        else:
+            tok = self._match((fam.invoke_close, fam.param_open), final)
+            if tok == fam.param_open:
+                tok = self._open_tag(tok, final)
+            if tok is _WAIT:
+                return False
+            if tok is None:
+                return self._fail(f"expected {fam.param_open} or {fam.invoke_close}")
+            if tok == fam.invoke_close:
+                self._take(len(tok))
+                self._args("}")
+                self._emit(ToolCallEnd(len(self._calls) - 1))
+                self._phase = _Phase.BLOCK
+                return True
+        self._take(len(fam.param_open))
+        self._phase = _Phase.PARAM_TAG
+        return True
+
+    def _param_tag(self, final: bool) -> bool:
+        attrs = self._tag_attrs()
+        if attrs is _WAIT:
+            return False
+        if attrs is None or "name" not in attrs:
+            return self._fail("parameter tag without a name")
+        if self._nested:
+            sep, self._nested_first = ("" if self._nested_first else ","), False
+        else:
+            sep, self._first = ("" if self._first else ","), False
+        self._args(f"{sep}{json_quote(attrs['name'])}:")
+        kind = attrs.get("string")
+        if kind is None and not self._nested:
+            self._phase = _Phase.PARAM_PEEK
+        elif kind is None or kind.lower() == "true":
+            self._args('"')
+            self._phase = _Phase.STRING_VALUE
+        else:
+            self._scan = 0
+            self._phase = _Phase.JSON_VALUE
+        return True
+
+    def _param_peek(self, final: bool) -> bool:
+        """`string` missing: a body starting with a parameter tag is a loose nested object (§2.3)."""
+        body = self._buf.lstrip(WS)
+        opener = self._family.param_open
+        if opener.startswith(body):  # blank, a partial tag, or the tag word still missing its next char
+            return False
+        if body.startswith(opener) and body[len(opener)] in WS + ">":
+            self._take(len(self._buf) - len(body))
+            self._args("{")
+            self._nested, self._nested_first = True, True
+            self._phase = _Phase.PARAMS
+        else:
+            self._args('"')
+            self._phase = _Phase.STRING_VALUE
+        return True
+
+    def _string_value(self, final: bool) -> bool:
+        fam = self._family
+        pos = self._buf.find(fam.param_close)
+        held = _partial_suffix(self._buf, (fam.param_close, fam.param_close_escaped))
+        end = pos if pos >= 0 else len(self._buf) - held
+        value = self._take(end)
+        if value:
+            self._args(json_quote(value.replace(fam.param_close_escaped, fam.param_close))[1:-1])
+        if pos < 0:
+            return False
+        self._take(len(fam.param_close))
+        self._args('"')
+        self._phase = _Phase.PARAMS
+        return True
+
+    def _json_value(self, final: bool) -> bool:
+        fam = self._family
+        pos = self._buf.find(fam.param_close, self._scan)
+        if pos < 0:
+            self._scan = max(0, len(self._buf) - len(fam.param_close) + 1)
+            return False
+        raw = self._take(pos)
+        self._take(len(fam.param_close))
+        compact = minify_json(raw)
+        if not is_valid_json(compact):
+            compact = json_quote(raw.replace(fam.param_close_escaped, fam.param_close))
+        self._args(compact)
+        self._phase = _Phase.PARAMS
+        return True
+
+    # ---- after the block ----
+
+    def _done(self, final: bool) -> bool:
+        self._buf = ""  # text after the block is discarded (§2.3 step 5)
+        return False
+
+    def _failed(self, final: bool) -> bool:
+        text, self._buf = self._buf, ""
+        self._emit(ContentDelta(text))
+        self._watch_close(text)
+        return False
+
+    def _watch_close(self, text: str) -> None:
+        """Keep the §2.9 stop rule working after a failure: note the family's end marker."""
+        close = self._family.calls_close
+        window = self._tail + text
+        if close in window:
+            self.block_ended = True
+        self._tail = window[-(len(close) - 1) :]
+
+    def _fail(self, why: str) -> bool:
+        """§2.10: void the calls; the block text so far becomes content, and so does what follows."""
+        self._error = why
+        self._emit(ToolParseError(why))
+        self._calls.clear()
+        self._tail = ""
+        block = "".join(self._block)
+        self._emit(ContentDelta(self._sep + block))
+        self._watch_close(block)
+        self._phase = _Phase.FAILED
+        return True
+
+
+def parse_message(
+    text: str, *, thinking: bool, id_prefix: str = "call_", taken: Callable[[str], bool] | None = None
+) -> ParsedMessage:
+    """The final parse (§2.3) of a whole generated message; never raises on model output."""
+    stream = DsmlStream(thinking=thinking, id_prefix=id_prefix, taken=taken)
+    stream.feed(text)
+    stream.finish()
+    return stream.message
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy-for-structure tracker (§2.8)
+# ---------------------------------------------------------------------------------------------
+
+
+class TrackerState(Enum):
+    OUTSIDE = "outside"  # no tool block yet, or it is closed
+    STRUCTURAL = "structural"  # tags, between parameters, or a partial closing tag (>= 2 chars) pending
+    STRING_BODY = "string_body"  # inside a string="true" value
+    JSON_STRUCTURAL = "json_structural"  # inside a non-string value, outside a JSON string
+    JSON_STRING = "json_string"  # inside a JSON string literal of a non-string value
+
+
+class _Where(Enum):
+    OUTSIDE = 0
+    BETWEEN = 1  # structural text between tags
+    TAG = 2  # inside `<...` up to '>'
+    PEEK = 3  # after a parameter tag without `string`
+    STRING = 4
+    JSON = 5
+
+
+_MAX_MARKER = max(len(m) for m in _START_MARKERS)
+
+
+class DsmlTracker:
+    """Forgiving classifier of the generation position; temperature is forced to 0 while structural.
+
+    It never fails: unknown tags count as structure, and a string body ends at its closing tag only.
+    It ignores thinking (the executability gate is the parser's job).
+    """
+
+    def __init__(self) -> None:
+        self._where = _Where.OUTSIDE
+        self._family = FAMILIES[0]
+        self._win = ""  # recent text, to see markers and closing tags across pieces
+        self._tag = ""
+        self._in_str = self._escaped = False
+        self.state = TrackerState.OUTSIDE
+
+    @property
+    def force_greedy(self) -> bool:
+        return self.state in (TrackerState.STRUCTURAL, TrackerState.JSON_STRUCTURAL)
+
+    def update(self, text_piece: str) -> TrackerState:
+        rest = text_piece
+        while rest:
+            rest = self._step(rest)
+        self.state = self._classify()
+        return self.state
+
+    def _classify(self) -> TrackerState:
+        where = self._where
+        if where == _Where.OUTSIDE:
+            return TrackerState.OUTSIDE
+        if where in (_Where.BETWEEN, _Where.TAG, _Where.PEEK):
+            return TrackerState.STRUCTURAL
+        if where == _Where.JSON and self._in_str:
+            return TrackerState.JSON_STRING
+        if _partial_suffix(self._win, (self._family.param_close,)) >= 2:
+            return TrackerState.STRUCTURAL
+        return TrackerState.STRING_BODY if where == _Where.STRING else TrackerState.JSON_STRUCTURAL
+
+    def _step(self, text: str) -> str:
+        """Consume a prefix of `text` in the current position; return the rest."""
+        where = self._where
+        if where == _Where.OUTSIDE:
+            window = self._win + text
+            pos, marker = _earliest(window, _START_MARKERS)
+            if marker is None:
+                self._win = window[-(_MAX_MARKER - 1) :]
+                return ""
+            self._family = FAMILIES[_START_MARKERS.index(marker)]
+            return self._goto(_Where.BETWEEN, window[pos + len(marker) :])
+        if where == _Where.BETWEEN:
+            lt = text.find("<")
+            return "" if lt < 0 else self._goto(_Where.TAG, text[lt:])
+        if where == _Where.TAG:
+            return self._tag_step(text)
+        if where == _Where.PEEK:
+            body = text.lstrip(WS)
+            if not body:
+                return ""
+            return self._goto(_Where.TAG if body[0] == "<" else _Where.STRING, body)
+        return self._value_step(text)
+
+    def _goto(self, where: _Where, rest: str) -> str:
+        self._where, self._win, self._tag = where, "", ""
+        self._in_str = self._escaped = False
+        return rest
+
+    def _tag_step(self, text: str) -> str:
+        gt = text.find(">")
+        if gt < 0:
+            self._tag += text
+            if len(self._tag) > _MAX_TAG:
+                self._goto(_Where.BETWEEN, "")
+            return ""
+        tag, rest = self._tag + text[: gt + 1], text[gt + 1 :]
+        fam = self._family
+        if tag == fam.calls_close:
+            return self._goto(_Where.OUTSIDE, rest)
+        if tag.startswith(fam.param_open) and tag[len(fam.param_open)] in WS + ">":
+            kind = dict(_ATTR_RE.findall(tag)).get("string")
+            if kind is None:
+                return self._goto(_Where.PEEK, rest)
+            return self._goto(_Where.STRING if kind.lower() == "true" else _Where.JSON, rest)
+        return self._goto(_Where.BETWEEN, rest)
+
+    def _value_step(self, text: str) -> str:
+        close = self._family.param_close
+        window = self._win + text
+        pos = window.find(close)
+        if pos >= 0:
+            return self._goto(_Where.BETWEEN, window[pos + len(close) :])
+        if self._where == _Where.JSON:
+            for ch in text:
+                if self._escaped:
+                    self._escaped = False
+                elif self._in_str and ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_str = not self._in_str
+        self._win = window[-(len(close) - 1) :]
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact-replay memory (§2.7)
+# ---------------------------------------------------------------------------------------------
+
+
+class ToolMemory:
+    """tool id -> the exact sampled DSML block (with its leading "\\n\\n"), least recently used first out.
+
+    All ids of one block share one stored string. Bounded by id count and by bytes (ids plus distinct
+    blocks, UTF-8). `entries()`/`load()` carry the map to and from the disk cache's KTM trailer.
+    """
+
+    def __init__(self, max_ids: int = TOOL_MEMORY_MAX_IDS, max_bytes: int = TOOL_MEMORY_MAX_BYTES) -> None:
+        if max_ids < 1 or max_bytes < 1:
+            raise ValueError(
+                f"tool memory limits must be positive, got max_ids={max_ids} max_bytes={max_bytes}"
+            )
+        self.max_ids, self.max_bytes = max_ids, max_bytes
+        self._ids: OrderedDict[str, str] = OrderedDict()  # oldest first
+        self._blocks: dict[str, list[Any]] = {}  # block -> [shared block string, id count]
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, tool_id: object) -> bool:
+        return tool_id in self._ids
+
+    def remember(self, ids: Iterable[str], raw_dsml: str) -> None:
+        for tool_id in ids:
+            self._put(tool_id, raw_dsml)
+        self._prune()
+
+    def lookup(self, tool_id: str) -> str | None:
+        block = self._ids.get(tool_id)
+        if block is not None:
+            self._ids.move_to_end(tool_id)
+        return block
+
+    def replay(self, ids: Sequence[str]) -> str | None:
+        """The block to emit verbatim: only if every id is known and all map to the same block."""
+        blocks = [self.lookup(i) for i in ids]
+        if not blocks or any(b is None for b in blocks) or len(set(blocks)) != 1:
+            return None
+        return blocks[0]
+
+    def new_id(self, prefix: str = "call_") -> str:
+        return new_tool_id(prefix, self.__contains__)
+
+    def entries(self) -> list[tuple[str, str]]:
+        """(id, block) pairs, oldest first (so `load` restores the same LRU order)."""
+        return list(self._ids.items())
+
+    def entries_in(self, text: str) -> list[tuple[str, str]]:
+        """The entries whose block occurs verbatim in `text` (what a KV file with that text stores)."""
+        hits = {block: block in text for block in {e[0] for e in self._blocks.values()}}
+        return [(i, b) for i, b in self._ids.items() if hits[b]]
+
+    def load(self, entries: Iterable[tuple[str, str]]) -> None:
+        for tool_id, block in entries:
+            if not isinstance(tool_id, str) or not isinstance(block, str):
+                raise TypeError(f"tool memory entry must be (str, str), got ({tool_id!r:.40}, {block!r:.40})")
+            self._put(tool_id, block)
+        self._prune()
+
+    def _put(self, tool_id: str, block: str) -> None:
+        if tool_id in self._ids:
+            self._drop(tool_id)
+        slot = self._blocks.get(block)
+        if slot is None:
+            slot = self._blocks[block] = [block, 0]
+            self.nbytes += len(block.encode())
+        slot[1] += 1
+        self._ids[tool_id] = slot[0]
+        self.nbytes += len(tool_id.encode())
+
+    def _drop(self, tool_id: str) -> None:
+        block = self._ids.pop(tool_id)
+        self.nbytes -= len(tool_id.encode())
+        slot = self._blocks[block]
+        slot[1] -= 1
+        if slot[1] == 0:
+            del self._blocks[block]
+            self.nbytes -= len(block.encode())
+
+    def _prune(self) -> None:
+        while self._ids and (len(self._ids) > self.max_ids or self.nbytes > self.max_bytes):
+            self._drop(next(iter(self._ids)))
+
+
+def render_assistant_tool_calls(
+    calls: Sequence[ToolCall | Mapping[str, Any]], memory: ToolMemory | None
+) -> tuple[str, bool]:
+    """The DSML for a replayed assistant message: the exact sampled block when every call id maps to
+    one remembered block, else the canonical rendering. Returns (text, replayed_exactly)."""
+    parsed = [_as_call(c) for c in calls]
+    if memory is not None and parsed and all(c.id for c in parsed):
+        block = memory.replay([c.id for c in parsed])
+        if block is not None:
+            return block, True
+    return render_tool_calls(parsed), False
