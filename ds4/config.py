@@ -141,6 +141,15 @@ DEFAULT_MIN_P = 0.05
 DEFAULT_TOP_K = 0
 MAX_TOP_K = 1024
 
+# CLI `ds4` (product.md §3.2)
+DEFAULT_MAX_TOKENS = 50000  # -n; clamped to ctx - pos - 1
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant"  # -sys (no final period; "" disables it)
+DEFAULT_MTP_DRAFT = 1
+MAX_MTP_DRAFT = 16
+DEFAULT_MTP_MARGIN = 3.0
+DEFAULT_LOGPROBS_TOP_K = 20
+MAX_LOGPROBS_TOP_K = 128
+
 # Context and prefill
 DEFAULT_CTX = 32768
 PREFILL_CHUNK = 2048  # GPU chunk; chunk boundaries are absolute multiples of this
