@@ -10,6 +10,7 @@ Shape legend: n = blocks in a chunk; B = bytes per block; K = elements per block
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -156,7 +157,7 @@ _BLOCK_DECODERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
 def check_shape(qtype: GGMLType, shape: Sequence[int]) -> tuple[int, ...]:
     """Validate a logical tensor shape for qtype: ints >= 0, rows of whole blocks. Returns it as a tuple."""
     try:
-        dims = tuple(int(s) for s in shape)
+        dims = tuple(operator.index(s) for s in shape)  # ints only: 1.5 must not become 1
     except (TypeError, ValueError):
         raise ValueError(f"{qtype.name}: shape must be a sequence of ints, got {shape!r}") from None
     if not dims or any(s < 0 for s in dims):

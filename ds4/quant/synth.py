@@ -141,7 +141,7 @@ def random_blocks(
     rows = dims[:-1]
     row_bytes = dims[-1] // block_elems * block_bytes
     if qt in _PLAIN:
-        x = torch.randn(dims, generator=generator, device=dev) * std
+        x = torch.randn(dims, generator=generator, device=dev).mul_(std)
         if qt == GGMLType.F16:
             x = x.clamp_(-_F16_MAX, _F16_MAX)  # a far tail sample must not become inf
         return to_bytes(x, qt)
