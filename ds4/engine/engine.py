@@ -1,0 +1,59 @@
+"""Engine: a loaded model file + its config + tokenizer + the forward pass; hands out Sessions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ds4.config import DEFAULT_CTX, TINY_MODEL_ALIAS, ModelConfig
+from ds4.engine.session import Session
+from ds4.errors import Ds4Error
+from ds4.gguf import ModelFile, open_model
+from ds4.model import DS4Model
+from ds4.tokenizer import Tokenizer
+
+BACKENDS = ("cpu",)  # "cuda" arrives with the fast path
+
+
+class Engine:
+    def __init__(self, model_file: ModelFile, model: DS4Model, tokenizer: Tokenizer, backend: str) -> None:
+        self.model_file = model_file
+        self.model = model
+        self.tokenizer = tokenizer
+        self.backend = backend
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model_file.config
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], backend: str = "cpu") -> Engine:
+        """Load a ds4 GGUF (or the cached tiny synthetic model for path "tiny")."""
+        if backend not in BACKENDS:
+            raise Ds4Error(
+                f"unknown or unavailable backend {backend!r}: expected one of {', '.join(BACKENDS)}"
+            )
+        if str(path) == TINY_MODEL_ALIAS:
+            from ds4.tools.make_model import ensure_tiny_model  # builds the file once, then cached
+
+            path = ensure_tiny_model()
+        mf = open_model(Path(path))
+        try:
+            model = DS4Model(mf.config, mf.tensor, has=mf.has)
+            tokenizer = Tokenizer.from_gguf(mf)
+        except BaseException:
+            mf.close()
+            raise
+        return cls(mf, model, tokenizer, backend)
+
+    def session(self, ctx: int = DEFAULT_CTX) -> Session:
+        return Session(self, ctx)
+
+    def close(self) -> None:
+        self.model_file.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,136 @@
+"""Session: one timeline of a loaded model — tokens consumed, KV state, next-token logits (architecture.md).
+
+`sync(prompt)` decides by itself whether to reuse (same tokens), extend (the held tokens are a prefix of the
+prompt: prefill only the suffix) or rebuild (anything else: the KV cannot be rewound in general). CPU policy
+(model.md §10.2): a fresh prompt is one layer-major pass; a suffix extension is one pass too (mathematically
+equal to token-by-token decode). `eval(token)` is one decode step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ds4.engine import snapshot as snap
+from ds4.errors import Ds4Error
+
+if TYPE_CHECKING:
+    from ds4.engine.engine import Engine
+
+ProgressFn = Callable[[int, int], None]  # (tokens prefilled so far, tokens to prefill)
+
+
+class ContextError(Ds4Error, ValueError):
+    """A prompt or a decode step that does not fit the session's context."""
+
+
+@dataclass
+class SessionStats:
+    prefill_tokens: int = 0  # tokens run through prefill by every sync so far
+    reused_tokens: int = 0  # prompt tokens served from the held state instead of prefilled
+    decode_tokens: int = 0  # tokens consumed by eval()
+    rebuilds: int = 0  # syncs that had to discard the held state
+
+
+class Session:
+    def __init__(self, engine: Engine, ctx: int) -> None:
+        if ctx <= 1:
+            raise ContextError(f"context size must be at least 2 tokens, got {ctx}")
+        self.engine = engine
+        self.ctx = ctx
+        self.layout = snap.Layout.cpu(engine.config, ctx)
+        self.state = engine.model.new_state(ctx)
+        self.tokens: list[int] = []
+        self._logits: torch.Tensor | None = None  # [V] next-token logits once a token was consumed
+        self.last_prefill = 0  # tokens prefilled by the latest sync
+        self.stats = SessionStats()
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """float32 [n_vocab] logits for the next token."""
+        if self._logits is None:
+            raise ValueError("session holds no tokens yet: sync() a prompt before reading logits")
+        return self._logits
+
+    def reset(self) -> None:
+        self.state = self.engine.model.new_state(self.ctx)
+        self.tokens = []
+        self._logits = None
+
+    # ---- prefill / decode ----------------------------------------------------------------------
+
+    def sync(self, tokens: Sequence[int], progress: ProgressFn | None = None) -> int:
+        """Make the session hold exactly `tokens`; returns how many tokens had to be prefilled."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("sync needs a prompt of at least one token, got none")
+        if len(tokens) >= self.ctx:
+            raise ContextError(
+                f"prompt exceeds context: {len(tokens)} tokens, ctx {self.ctx} (a prompt must be shorter)"
+            )
+        self._check_ids(tokens)
+        held = len(self.tokens)
+        if held and tokens[:held] == self.tokens:
+            suffix = tokens[held:]
+        else:  # not an extension of what we hold: start over
+            if held:
+                self.stats.rebuilds += 1
+            self.reset()
+            suffix = tokens
+        self.stats.reused_tokens += len(tokens) - len(suffix)
+        self.last_prefill = len(suffix)
+        if suffix:
+            self._forward(suffix, progress)
+            self.stats.prefill_tokens += len(suffix)
+        return len(suffix)
+
+    def eval(self, token: int) -> torch.Tensor:
+        """Consume one token (a decode step); returns the new next-token logits [n_vocab]."""
+        if len(self.tokens) + 1 > self.ctx:
+            raise ContextError(f"context is full: the session holds {len(self.tokens)} of {self.ctx} tokens")
+        self._check_ids([int(token)])
+        self._forward([int(token)], None)
+        self.stats.decode_tokens += 1
+        return self.logits
+
+    def _forward(self, tokens: list[int], progress: ProgressFn | None) -> None:
+        if progress is not None:
+            progress(0, len(tokens))
+        try:
+            logits = self.engine.model.forward(self.state, tokens)
+        except BaseException:
+            self.reset()  # a half-updated KV state is unusable: fall back to an empty session
+            raise
+        self.tokens.extend(tokens)
+        self._logits = logits.to(torch.float32).reshape(-1)
+        if progress is not None:
+            progress(len(tokens), len(tokens))
+
+    def _check_ids(self, tokens: list[int]) -> None:
+        n_vocab = self.engine.config.n_vocab
+        bad = [t for t in tokens if not 0 <= t < n_vocab]
+        if bad:
+            raise ValueError(f"token id out of range: expected 0 <= id < {n_vocab}, got {bad[0]}")
+
+    # ---- snapshots -----------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The DSV4 payload (model.md §11.3) of this session."""
+        return snap.encode(self.layout, self.tokens, self._logits, self.state)
+
+    def restore(self, blob: bytes) -> None:
+        """Replace the timeline by a payload; raises SnapshotError (state untouched) if it does not fit."""
+        decoded = snap.decode(blob, self.layout)
+        state = self.engine.model.new_state(self.ctx)
+        snap.install(decoded, state)
+        self.state = state
+        self.tokens = decoded.tokens
+        self._logits = decoded.logits if decoded.tokens else None
