@@ -338,6 +338,11 @@ def test_random_blocks_errors(qtype, shape, std, pattern) -> None:
         random_blocks(qtype, shape, std=std, generator=torch.Generator().manual_seed(0))
 
 
+def test_random_blocks_generator_device_mismatch() -> None:
+    with pytest.raises(ValueError, match="generator is on cpu"):
+        random_blocks(GGMLType.Q8_0, (32,), std=1.0, generator=torch.Generator(), device="meta")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CUDA: same bits on the GPU
 

@@ -139,7 +139,8 @@ def _dequant_iq2_xxs(blk: torch.Tensor) -> torch.Tensor:
     shifts = torch.tensor([0, 7, 14, 21], dtype=torch.int32, device=blk.device)
     sign_idx = (a1[..., None] >> shifts) & 127  # [n, 8, 4]; masks bits < 28, so the wrap is harmless
     row = sub[..., 0:4].to(torch.int64) * 128 + sign_idx  # [n, 8, 4] rows of the signed grid
-    vals = _iq2xxs_signed_grid(blk.device)[row]  # [n, 8, 4, 8]
+    vals = torch.index_select(_iq2xxs_signed_grid(blk.device), 0, row.reshape(-1))  # [n*32, 8]
+    vals = vals.reshape(n, 8, 4, 8)  # (index_select: ~2x faster than advanced indexing on CPU)
     return (db[..., None, None] * vals).reshape(n, 256)
 
 

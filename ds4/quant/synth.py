@@ -137,6 +137,8 @@ def random_blocks(
     if not (math.isfinite(std) and lo <= std <= hi and std > 0):
         raise ValueError(f"random_blocks {qt.name}: std must be in [{lo:.3g}, {hi:.3g}] and > 0, got {std}")
     dev = torch.device(device) if device is not None else generator.device
+    if dev.type != generator.device.type:
+        raise ValueError(f"random_blocks: generator is on {generator.device} but device is {dev}")
     block_elems, block_bytes = BLOCK_GEOMETRY[qt]
     rows = dims[:-1]
     row_bytes = dims[-1] // block_elems * block_bytes
