@@ -1,0 +1,136 @@
+"""Layer-major prefill equals the per-token recurrence, for any chunking (model.md §10.1).
+
+Uses the official-tiny model (window 16, ratios 4 and 32, indexer top-k 8) and random token ids; N crosses
+the window, several ratio-4 and ratio-32 row boundaries and the indexer's top-k threshold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _gguf_model import load_model
+
+from ds4.model.state import EMPTY_SCORE
+
+N = 150  # > window 16; 37 ratio-4 rows (indexer selects from 9+ rows on); 4 ratio-32 rows
+MAX_TOL = 5e-3
+MEAN_TOL = 1e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def model(official_gguf):
+    return load_model(official_gguf)
+
+
+@pytest.fixture(scope="module")
+def tokens(model) -> list[int]:
+    return np.random.default_rng(4242).integers(0, model.cfg.n_vocab, N).tolist()
+
+
+@pytest.fixture(scope="module")
+def stepwise(model, tokens):
+    """The recurrence: one token per forward. Logits after every position [N, V] and the final state."""
+    state = model.new_state(N + 4)
+    logits = torch.stack([model.forward(state, [t]) for t in tokens])
+    return logits, state
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    diff = (got.double() - want.double()).abs()
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), f"{what}: argmax differs"
+    assert float(diff.mean()) <= MEAN_TOL, f"{what}: mean |dlogit| {float(diff.mean()):.3e}"
+    assert float(diff.max()) <= MAX_TOL, f"{what}: max |dlogit| {float(diff.max()):.3e}"
+
+
+def test_geometry_exercised(model):
+    cfg = model.cfg
+    ratios = set(cfg.compress_ratios[: cfg.n_layer])
+    assert N > cfg.window and {0, 4, 32} <= ratios
+    assert N // 4 > cfg.indexer_topk + 4 and N // 32 >= 3
+
+
+def test_prefill_equals_decode(model, tokens, stepwise):
+    logits, step_state = stepwise
+    state = model.new_state(N + 4)
+    out = model.forward(state, tokens)
+    assert_close(out, logits[-1], "one-shot prefill vs per-token")
+    print(f"prefill vs decode: max {float((out - logits[-1]).abs().max()):.2e}")
+    # The states agree too (same rows, same frontiers, same counts).
+    for il, (a, b) in enumerate(zip(state.layers, step_state.layers, strict=True)):
+        for name in ("raw", "comp", "comp_kv", "comp_score", "index", "index_kv", "index_score"):
+            ta, tb = getattr(a, name), getattr(b, name)
+            assert (ta is None) == (tb is None), f"layer {il} {name}"
+            if ta is not None:
+                assert ta.shape == tb.shape, f"layer {il} {name}: {ta.shape} vs {tb.shape}"
+                close = torch.isclose(ta, tb, rtol=1e-3, atol=1e-4)
+                assert close.float().mean() > 0.999, f"layer {il} {name}"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_arbitrary_chunkings(model, tokens, stepwise, seed):
+    """Random chunk sizes (1..40, aligned or not to the ratios): every chunk end matches the recurrence."""
+    logits, _ = stepwise
+    rng = np.random.default_rng(seed)
+    state, pos = model.new_state(N + 4), 0
+    while pos < N:
+        n = min(N - pos, int(rng.integers(1, 41)))
+        out = model.forward(state, tokens[pos : pos + n])
+        pos += n
+        assert_close(out, logits[pos - 1], f"chunk ending at {pos}")
+    assert state.n_tokens == N
+
+
+def test_state_layout(model, tokens):
+    """Contract fields: live row counts, and empty frontier rows at kv 0 / score EMPTY_SCORE."""
+    cfg, T = model.cfg, 37
+    state = model.new_state(64)
+    model.forward(state, tokens[:T])
+    for il, kv in enumerate(state.layers):
+        r = cfg.compress_ratios[il]
+        assert kv.raw.shape == (min(T, cfg.window), cfg.head_dim)
+        if r == 0:
+            assert kv.comp is None and kv.comp_kv is None and kv.index is None
+            continue
+        c = 2 if r == 4 else 1
+        assert kv.comp.shape == (T // r, cfg.head_dim)
+        assert kv.comp_kv.shape == kv.comp_score.shape == (c * r, c * cfg.head_dim)
+        cur = r if r == 4 else 0
+        filled = T % r
+        assert (kv.comp_kv[cur + filled : cur + r] == 0).all()
+        assert (kv.comp_score[cur + filled : cur + r] == EMPTY_SCORE).all()
+        assert (kv.comp_score[cur : cur + filled] > EMPTY_SCORE).all()
+        if r == 4:
+            assert kv.index.shape == (T // 4, cfg.indexer_dim)
+            assert kv.index_kv.shape == (8, 2 * cfg.indexer_dim)
+        else:
+            assert kv.index is None
+
+
+def test_clone_is_independent(model, tokens):
+    state = model.new_state(64)
+    model.forward(state, tokens[:20])
+    snap = state.clone()
+    a = model.forward(state, tokens[20:30])
+    b = model.forward(snap, tokens[20:30])
+    assert torch.equal(a, b)
+    assert state.n_tokens == snap.n_tokens == 30
+
+
+def test_bad_input(model):
+    state = model.new_state(8)
+    with pytest.raises(ValueError, match="context overflow"):
+        model.forward(state, [1] * 9)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.forward(state, [])
+    with pytest.raises(ValueError, match="out of range"):
+        model.forward(state, [model.cfg.n_vocab])
+    assert state.n_tokens == 0
