@@ -16,6 +16,13 @@ from ds4.model.quantsim import fp4_e2m1_roundtrip, fp8_e4m3_roundtrip, hadamard,
 from ds4.model.rope import layer_inv_freq, rope_inv_freq, rope_tail, yarn_pair_range
 
 
+def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6, rtol: float = 1e-6) -> None:
+    """|got - want| <= atol + rtol * |want| elementwise (torch.testing imports slowly)."""
+    got, want = got.double(), want.double()
+    err = (got - want).abs() - (atol + rtol * want.abs())
+    assert got.shape == want.shape and float(err.max()) <= 0, f"max excess {float(err.max()):.3e}"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny tensors: one thread avoids oversubscription on shared CPUs."""
@@ -106,14 +113,14 @@ def test_sinkhorn_properties():
     c = sinkhorn(logits, 20, 1e-6)
     assert (c > 0).all()
     # The last pass normalises columns: sums are 1 up to the eps in the denominator.
-    torch.testing.assert_close(c.sum(-2), torch.ones(64, 4, dtype=torch.float64), atol=1e-5, rtol=0)
-    torch.testing.assert_close(
+    assert_close(c.sum(-2), torch.ones(64, 4, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert_close(
         c.sum(-1), torch.ones(64, 4, dtype=torch.float64), atol=3e-2, rtol=0
     )  # rows converge more slowly
     # One iteration = row softmax (+eps) then one column normalisation.
     one = sinkhorn(logits, 1, 1e-6)
     s = logits.softmax(-1) + 1e-6
-    torch.testing.assert_close(one, s / (s.sum(-2, keepdim=True) + 1e-6))
+    assert_close(one, s / (s.sum(-2, keepdim=True) + 1e-6))
 
 
 def test_hc_pre_post_shapes_and_orientation():
@@ -129,7 +136,7 @@ def test_hc_pre_post_shapes_and_orientation():
     out = hc_post(f, X, post, comb)
     dst, t = 2, 1
     want = post[t, dst] * f[t] + sum(comb[t, src, dst] * X[t, src] for src in range(S))
-    torch.testing.assert_close(out[t, dst], want)
+    assert_close(out[t, dst], want)
 
 
 def test_rope_adjacent_pairs_on_tail():
@@ -143,16 +150,12 @@ def test_rope_adjacent_pairs_on_tail():
     for j in (0, 5, 31):
         theta = pos.double() * base ** (-2 * j / R)
         a, b = x[:, W - R + 2 * j].double(), x[:, W - R + 2 * j + 1].double()
-        torch.testing.assert_close(
-            y[:, W - R + 2 * j].double(), a * theta.cos() - b * theta.sin(), atol=1e-4, rtol=0
-        )
-        torch.testing.assert_close(
-            y[:, W - R + 2 * j + 1].double(), a * theta.sin() + b * theta.cos(), atol=1e-4, rtol=0
-        )
-    torch.testing.assert_close(rope_tail(y, pos, inv, inverse=True), x, atol=1e-5, rtol=0)
+        assert_close(y[:, W - R + 2 * j].double(), a * theta.cos() - b * theta.sin(), atol=1e-4, rtol=0)
+        assert_close(y[:, W - R + 2 * j + 1].double(), a * theta.sin() + b * theta.cos(), atol=1e-4, rtol=0)
+    assert_close(rope_tail(y, pos, inv, inverse=True), x, atol=1e-5, rtol=0)
     # per-head form [T, H, W] rotates every head at the token's position
     xh = torch.randn(3, 2, W)
-    torch.testing.assert_close(rope_tail(xh, pos, inv)[:, 1], rope_tail(xh[:, 1], pos, inv))
+    assert_close(rope_tail(xh, pos, inv)[:, 1], rope_tail(xh[:, 1], pos, inv))
 
 
 def test_yarn_range_flash():
@@ -164,10 +167,10 @@ def test_yarn_frequencies_flash():
     inv = layer_inv_freq(FLASH, 2).double()
     plain = 160000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     keep = torch.clamp(1 - (torch.arange(32, dtype=torch.float64) - 15) / 10, 0, 1)
-    torch.testing.assert_close(inv, plain * keep + plain / 16 * (1 - keep), rtol=1e-6, atol=0)
+    assert_close(inv, plain * keep + plain / 16 * (1 - keep), rtol=1e-6, atol=0)
     assert keep[16] == pytest.approx(0.9) and keep[24] == pytest.approx(0.1)
     # dense layers: plain base 10000, no YaRN
-    torch.testing.assert_close(
+    assert_close(
         layer_inv_freq(FLASH, 0).double(),
         10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64),
         rtol=1e-6,
