@@ -354,8 +354,11 @@ class GGUFFile:
         return name, dims, cur.u32(), cur.u64()
 
     def _place_tensor(self, name: str, dims: tuple[int, ...], qtype: int, rel: int) -> TensorInfo:
-        known: GGMLType | int = GGMLType(qtype) if qtype in GGMLType._value2member_map_ else qtype
-        nbytes = tensor_nbytes(known, math.prod(dims)) if isinstance(known, GGMLType) else 0
+        try:
+            known: GGMLType | int = GGMLType(qtype)
+            nbytes = tensor_nbytes(known, math.prod(dims))
+        except ValueError:  # not a type ds4 knows: keep the id, size unknown (open_model rejects it)
+            known, nbytes = qtype, 0
         if rel % self.alignment:
             raise ModelFileError(
                 f"tensor {name} has data offset {rel}, expected a multiple of the alignment {self.alignment}"

@@ -532,3 +532,45 @@ def test_validate_false_skips_layout(tmp_path):
 def test_block_geometry_agrees_with_gguf():
     for qtype, geometry in BLOCK_GEOMETRY.items():
         assert gguf.GGML_QUANT_SIZES[QT(int(qtype))] == geometry
+
+
+def test_bf16_tensor_matches_ml_dtypes(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    name = "blk.1.ffn_gate_inp.weight"  # F16 role: BF16 is accepted too
+    path = write_bad(tmp_path, types={name: QT.BF16})
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+    values = np.random.default_rng(0).standard_normal(int(t.n_elements)).astype(ml_dtypes.bfloat16)
+    data = bytearray(path.read_bytes())
+    data[t.data_offset : t.data_offset + t.n_bytes] = values.tobytes()
+    path.write_bytes(bytes(data))
+    with open_model(path) as mf:
+        got = mf.tensor(name)
+    assert tuple(got.shape) == (SMALL.n_expert, SMALL.n_embd)
+    np.testing.assert_array_equal(got.numpy().ravel(), values.astype(np.float32))
+
+
+def test_closed_file(small_gguf):
+    mf = open_model(small_gguf)
+    mf.close()
+    with pytest.raises(ModelFileError, match="closed"):
+        mf.raw("output_norm.weight")
+    with pytest.raises(ModelFileError, match="closed"):
+        mf.tokens()
+
+
+def test_container_reads_other_architectures(tmp_path):
+    """GGUFFile is container-only: a llama file with a Q6_K tensor opens; open_model names the problem."""
+    path = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_uint32("llama.block_count", 1)
+    w.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    w.add_tensor("w", np.zeros((2, 210), dtype=np.uint8), raw_dtype=QT.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with GGUFFile(path) as f:
+        assert f.metadata["llama.block_count"] == 1 and f.tokens() == ["a", "b"]
+        assert f.tensors["w"].qtype == int(QT.Q6_K) and f.tensors["w"].dims == (256, 2)
+        assert f.token_types() is None
+    expect_error(path, "general.architecture is 'llama', expected 'deepseek4'")
