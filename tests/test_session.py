@@ -144,3 +144,25 @@ def test_open_errors(tmp_path):
         ds4.Engine.open("x.gguf", backend="metal")
     with pytest.raises(Ds4Error):
         ds4.Engine.open(tmp_path / "missing.gguf")
+
+
+def test_rewind_to_prompt_checkpoint(engine, split_case):
+    """Turn 2 extends the turn-1 prompt, not its decoded tokens: rewind to the checkpoint, prefill more."""
+    prompt = split_case[0]["tokens"][:50]
+    s = engine.session(ctx=256)
+    s.sync(prompt)
+    ref = engine.session(ctx=256, checkpoint=False)
+    ref.sync(prompt)
+    for tok in (11, 12, 13):  # decoded answer, not part of the next prompt
+        s.eval(tok)
+    turn2 = prompt + [21, 22, 23, 24]
+    assert s.sync(turn2) == 4
+    assert (s.stats.checkpoint_hits, s.stats.rebuilds) == (1, 0)
+    assert ref.sync(turn2) == 4  # uninterrupted extension of the same prompt
+    assert torch.equal(s.logits, ref.logits)
+
+    # without a checkpoint the same move rebuilds
+    nock = engine.session(ctx=256, checkpoint=False)
+    nock.sync(prompt)
+    nock.eval(11)
+    assert nock.sync(turn2) == len(turn2) and nock.stats.rebuilds == 1

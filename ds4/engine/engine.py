@@ -46,8 +46,9 @@ class Engine:
             raise
         return cls(mf, model, tokenizer, backend)
 
-    def session(self, ctx: int = DEFAULT_CTX) -> Session:
-        return Session(self, ctx)
+    def session(self, ctx: int = DEFAULT_CTX, *, checkpoint: bool = True) -> Session:
+        """A new empty session; `checkpoint` keeps the post-prompt state so sync can rewind to it."""
+        return Session(self, ctx, checkpoint=checkpoint)
 
     def close(self) -> None:
         self.model_file.close()

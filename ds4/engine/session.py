@@ -16,6 +16,7 @@ import torch
 
 from ds4.engine import snapshot as snap
 from ds4.errors import Ds4Error
+from ds4.model.state import KVState
 
 if TYPE_CHECKING:
     from ds4.engine.engine import Engine
@@ -33,10 +34,20 @@ class SessionStats:
     reused_tokens: int = 0  # prompt tokens served from the held state instead of prefilled
     decode_tokens: int = 0  # tokens consumed by eval()
     rebuilds: int = 0  # syncs that had to discard the held state
+    checkpoint_hits: int = 0  # syncs that rewound to the prompt checkpoint instead of rebuilding
+
+
+@dataclass
+class _Checkpoint:
+    """The state right after the latest synced prompt (before any decode), for a cheap rewind."""
+
+    tokens: list[int]
+    state: KVState
+    logits: torch.Tensor
 
 
 class Session:
-    def __init__(self, engine: Engine, ctx: int) -> None:
+    def __init__(self, engine: Engine, ctx: int, *, checkpoint: bool = True) -> None:
         if ctx <= 1:
             raise ContextError(f"context size must be at least 2 tokens, got {ctx}")
         self.engine = engine
@@ -47,6 +58,10 @@ class Session:
         self._logits: torch.Tensor | None = None  # [V] next-token logits once a token was consumed
         self.last_prefill = 0  # tokens prefilled by the latest sync
         self.stats = SessionStats()
+        # A chat's next prompt usually extends the previous *prompt* but not the decoded tokens (history is
+        # re-rendered, reasoning dropped): keeping the post-prompt state lets sync rewind there.
+        self.keep_checkpoint = checkpoint
+        self._checkpoint: _Checkpoint | None = None
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -61,6 +76,7 @@ class Session:
         return self._logits
 
     def reset(self) -> None:
+        """Drop the timeline (the prompt checkpoint stays: it is still a valid state to rewind to)."""
         self.state = self.engine.model.new_state(self.ctx)
         self.tokens = []
         self._logits = None
@@ -80,7 +96,9 @@ class Session:
         held = len(self.tokens)
         if held and tokens[:held] == self.tokens:
             suffix = tokens[held:]
-        else:  # not an extension of what we hold: start over
+        elif self._rewind_to_checkpoint(tokens):
+            suffix = tokens[len(self.tokens) :]
+        else:  # not an extension of anything we hold: start over
             if held:
                 self.stats.rebuilds += 1
             self.reset()
@@ -90,7 +108,17 @@ class Session:
         if suffix:
             self._forward(suffix, progress)
             self.stats.prefill_tokens += len(suffix)
+        if self.keep_checkpoint and (self._checkpoint is None or self._checkpoint.tokens != tokens):
+            self._checkpoint = _Checkpoint(list(tokens), self.state.clone(), self.logits.clone())
         return len(suffix)
+
+    def _rewind_to_checkpoint(self, tokens: list[int]) -> bool:
+        cp = self._checkpoint
+        if cp is None or tokens[: len(cp.tokens)] != cp.tokens:
+            return False
+        self.state, self.tokens, self._logits = cp.state.clone(), list(cp.tokens), cp.logits.clone()
+        self.stats.checkpoint_hits += 1
+        return True
 
     def eval(self, token: int) -> torch.Tensor:
         """Consume one token (a decode step); returns the new next-token logits [n_vocab]."""
