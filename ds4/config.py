@@ -155,7 +155,7 @@ DEFAULT_CTX = 32768
 PREFILL_CHUNK = 2048  # GPU chunk; chunk boundaries are absolute multiples of this
 
 # Disk KV cache (product.md §5)
-KV_DISK_SPACE_MB = 8192
+KV_DISK_SPACE_MB = 4096  # product.md §4.1: --kv-disk-space-mb default when enabled
 KV_CACHE_MIN_TOKENS = 512
 KV_CACHE_COLD_MAX_TOKENS = 30000
 KV_CACHE_CONTINUED_INTERVAL_TOKENS = 10000
