@@ -343,11 +343,12 @@ def new_tool_id(prefix: str = "call_", taken: Callable[[str], bool] | None = Non
 
 def _partial_suffix(text: str, tokens: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `tokens`."""
-    longest = max(len(t) for t in tokens) - 1
-    for k in range(min(longest, len(text)), 0, -1):
-        tail = text[-k:]
-        if any(t.startswith(tail) and t != tail for t in tokens):
-            return k
+    firsts = {t[0] for t in tokens}
+    for i in range(max(0, len(text) - max(len(t) for t in tokens) + 1), len(text)):
+        if text[i] in firsts:  # cheap filter: every candidate starts with a token's first char
+            tail = text[i:]
+            if any(len(t) > len(tail) and t.startswith(tail) for t in tokens):
+                return len(text) - i
     return 0
 
 
@@ -502,6 +503,9 @@ class DsmlStream:
         self.reasoning_closed = False
         self.block_started = False
         self.block_ended = False  # start marker then its end marker seen (§2.9 stop rule)
+        self._handlers: dict[_Phase, tuple[Callable[[bool], bool], bool]] = {
+            phase: (getattr(self, "_on_" + phase.value), phase in _BLOCK_PHASES) for phase in _Phase
+        }
 
     # ---- public API ----
 
@@ -574,30 +578,18 @@ class DsmlStream:
         return text
 
     def _run(self, final: bool) -> None:
-        handlers = {
-            _Phase.THINK_START: self._think_start,
-            _Phase.REASONING: self._reasoning_phase,
-            _Phase.CONTENT: self._content_phase,
-            _Phase.BLOCK: self._block_phase,
-            _Phase.INVOKE_TAG: self._invoke_tag,
-            _Phase.PARAMS: self._params,
-            _Phase.PARAM_TAG: self._param_tag,
-            _Phase.PARAM_PEEK: self._param_peek,
-            _Phase.STRING_VALUE: self._string_value,
-            _Phase.JSON_VALUE: self._json_value,
-            _Phase.DONE: self._done,
-            _Phase.FAILED: self._failed,
-        }
         # Block handlers never flush: at the end a block still waiting for input is unterminated.
-        while handlers[self._phase](final and self._phase not in _BLOCK_PHASES):
-            pass
-        if final and self._phase in _BLOCK_PHASES:
+        while True:
+            handler, in_block = self._handlers[self._phase]
+            if not handler(final and not in_block):
+                break
+        if final and self.in_block:
             self._fail("unterminated tool call")
             self._run(final)
 
     # ---- reasoning and content ----
 
-    def _think_start(self, final: bool) -> bool:
+    def _on_think_start(self, final: bool) -> bool:
         if self._buf.startswith(THINK_OPEN):
             self._buf = self._buf[len(THINK_OPEN) :]
         elif THINK_OPEN.startswith(self._buf) and not final:
@@ -605,7 +597,7 @@ class DsmlStream:
         self._phase = _Phase.REASONING
         return True
 
-    def _reasoning_phase(self, final: bool) -> bool:
+    def _on_reasoning(self, final: bool) -> bool:
         pos = self._buf.find(THINK_CLOSE)
         if pos >= 0:
             self._emit(ReasoningDelta(self._buf[:pos]))
@@ -619,7 +611,7 @@ class DsmlStream:
         self._buf = self._buf[len(self._buf) - keep :]
         return False
 
-    def _content_phase(self, final: bool) -> bool:
+    def _on_content(self, final: bool) -> bool:
         pos, marker = _earliest(self._buf, _START_MARKERS)
         if marker is not None:
             before = self._buf[:pos]
@@ -661,7 +653,7 @@ class DsmlStream:
             return None if final else _WAIT
         return tag if self._buf[len(tag)] in WS + ">" else None
 
-    def _block_phase(self, final: bool) -> bool:
+    def _on_block(self, final: bool) -> bool:
         fam = self._family
         tok = self._match((fam.calls_close, fam.invoke_open), final)
         if tok == fam.invoke_open:
@@ -689,7 +681,7 @@ class DsmlStream:
             attrs.setdefault(key, unescape_attr(value))
         return attrs
 
-    def _invoke_tag(self, final: bool) -> bool:
+    def _on_invoke_tag(self, final: bool) -> bool:
         attrs = self._tag_attrs()
         if attrs is _WAIT:
             return False
@@ -703,7 +695,7 @@ class DsmlStream:
         self._phase = _Phase.PARAMS
         return True
 
-    def _params(self, final: bool) -> bool:
+    def _on_params(self, final: bool) -> bool:
         fam = self._family
         if self._nested:
             tok = self._match((fam.param_open, fam.param_close), final)
@@ -735,7 +727,7 @@ class DsmlStream:
         self._phase = _Phase.PARAM_TAG
         return True
 
-    def _param_tag(self, final: bool) -> bool:
+    def _on_param_tag(self, final: bool) -> bool:
         attrs = self._tag_attrs()
         if attrs is _WAIT:
             return False
@@ -757,7 +749,7 @@ class DsmlStream:
             self._phase = _Phase.JSON_VALUE
         return True
 
-    def _param_peek(self, final: bool) -> bool:
+    def _on_param_peek(self, final: bool) -> bool:
         """`string` missing: a body starting with a parameter tag is a loose nested object (§2.3)."""
         body = self._buf.lstrip(WS)
         opener = self._family.param_open
@@ -773,7 +765,7 @@ class DsmlStream:
             self._phase = _Phase.STRING_VALUE
         return True
 
-    def _string_value(self, final: bool) -> bool:
+    def _on_string_value(self, final: bool) -> bool:
         fam = self._family
         pos = self._buf.find(fam.param_close)
         held = _partial_suffix(self._buf, (fam.param_close, fam.param_close_escaped))
@@ -788,7 +780,7 @@ class DsmlStream:
         self._phase = _Phase.PARAMS
         return True
 
-    def _json_value(self, final: bool) -> bool:
+    def _on_json_value(self, final: bool) -> bool:
         fam = self._family
         pos = self._buf.find(fam.param_close, self._scan)
         if pos < 0:
@@ -805,11 +797,11 @@ class DsmlStream:
 
     # ---- after the block ----
 
-    def _done(self, final: bool) -> bool:
+    def _on_done(self, final: bool) -> bool:
         self._buf = ""  # text after the block is discarded (§2.3 step 5)
         return False
 
-    def _failed(self, final: bool) -> bool:
+    def _on_failed(self, final: bool) -> bool:
         text, self._buf = self._buf, ""
         self._emit(ContentDelta(text))
         self._watch_close(text)
