@@ -90,9 +90,16 @@ def parse_size(text: str) -> int:
     return int(value * mult)
 
 
-def encode_header(cfg: ModelConfig, planned: Sequence[PlannedTensor], align: int = ALIGNMENT) -> bytes:
-    """GGUF v3 header, metadata and tensor directory (no padding to the data start)."""
-    meta = synthetic.synthetic_metadata(cfg) + synthetic.tokenizer_metadata(cfg.n_vocab)
+def encode_header(
+    cfg: ModelConfig, planned: Sequence[PlannedTensor], align: int = ALIGNMENT, tokenizer: bool = True
+) -> bytes:
+    """GGUF v3 header, metadata and tensor directory (no padding to the data start).
+
+    tokenizer=False omits the tokenizer.ggml.* keys (for test configs with a reduced vocabulary).
+    """
+    meta = synthetic.synthetic_metadata(cfg)
+    if tokenizer:
+        meta += synthetic.tokenizer_metadata(cfg.n_vocab)
     out = [struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, len(planned), len(meta))]
     for key, kind, value in meta:
         out.append(_pack_str(key))
@@ -137,6 +144,7 @@ def write_model(
     seed: int,
     sparse_experts: bool = False,
     max_bytes: int | None = None,
+    tokenizer: bool = True,
     log=None,
 ) -> WriteStats:
     """Write a synthetic GGUF to `path` (directly; callers wanting atomicity pass a temp name)."""
@@ -145,7 +153,7 @@ def write_model(
     total = planned_data_bytes(planned)
     _check_disk(path, planned, sparse_experts, max_bytes)
     t0 = time.perf_counter()
-    header = encode_header(cfg, planned)
+    header = encode_header(cfg, planned, tokenizer=tokenizer)
     data_start = pad(len(header))
     with open(path, "wb") as fout:
         fout.write(header + bytes(data_start - len(header)))
