@@ -127,8 +127,11 @@ class TokenizerError(ValueError):
     """A vocabulary that cannot be used (missing special, bad merge, duplicate entry)."""
 
 
-def _as_str(item: str | bytes) -> str:
-    return item.decode("utf-8") if isinstance(item, bytes | bytearray) else item
+def _as_strs(items: Sequence[str | bytes]) -> list[str]:
+    """GGUF string arrays may come as bytes; decode them (the common all-str case is one cheap pass)."""
+    if all(type(x) is str for x in items):
+        return list(items)  # type: ignore[arg-type]
+    return [x.decode("utf-8") if isinstance(x, bytes | bytearray) else x for x in items]
 
 
 class Tokenizer:
@@ -140,17 +143,18 @@ class Tokenizer:
         merges: Sequence[str | bytes],
         token_types: Sequence[int] | None = None,
     ) -> None:
-        self.tokens: list[str] = [_as_str(t) for t in tokens]
+        self.tokens: list[str] = _as_strs(tokens)
         self.token_types: list[int] | None = list(token_types) if token_types is not None else None
         if self.token_types is not None and len(self.token_types) != len(self.tokens):
             raise TokenizerError(
                 f"token_types has {len(self.token_types)} entries, expected {len(self.tokens)} (one a token)"
             )
-        self._id_of: dict[str, int] = {}
-        for i, tok in enumerate(self.tokens):
-            if tok in self._id_of:
-                raise TokenizerError(f"duplicate vocab entry {tok!r} at ids {self._id_of[tok]} and {i}")
-            self._id_of[tok] = i
+        self._id_of: dict[str, int] = {tok: i for i, tok in enumerate(self.tokens)}
+        if len(self._id_of) != len(self.tokens):
+            first = {}
+            for i, tok in enumerate(self.tokens):
+                if first.setdefault(tok, i) != i:
+                    raise TokenizerError(f"duplicate vocab entry {tok!r} at ids {first[tok]} and {i}")
         self._special_ids: dict[str, int] = {s: self._require(s) for s in SPECIALS}
         self._merges = self._parse_merges(self._id_of, merges)
         # BPE of one pre-tokenized piece (the piece is a single word: byte-level mapping only, no splitting).
@@ -186,13 +190,14 @@ class Tokenizer:
 
     @staticmethod
     def _parse_merges(vocab: dict[str, int], merges: Sequence[str | bytes]) -> list[tuple[str, str]]:
-        pairs: list[tuple[str, str]] = []
-        for rank, merge in enumerate(merges):
-            left, sep, right = _as_str(merge).partition(" ")
-            if not sep or not left or not right or left not in vocab or right not in vocab:
-                raise TokenizerError(f"merge #{rank} {merge!r} is not 'A B' with A and B in the vocabulary")
-            pairs.append((left, right))
-        return pairs
+        pairs = [m.partition(" ") for m in _as_strs(merges)]
+        # A clear error naming the first bad merge (HF would only say "merge token out of vocabulary").
+        for rank, (left, sep, right) in enumerate(pairs):
+            if not (sep and left in vocab and right in vocab and left and right):
+                raise TokenizerError(
+                    f"merge #{rank} {left + sep + right!r} is not 'A B' with A and B in the vocabulary"
+                )
+        return [(left, right) for left, _, right in pairs]
 
     def _hf_bpe(self, pre_tokenizer: pre_tokenizers.PreTokenizer) -> _HFTokenizer:
         hf = _HFTokenizer(
