@@ -43,6 +43,7 @@ GGUF_MAGIC = 0x46554747  # b"GGUF" read as little-endian u32
 GGUF_VERSION = 3
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 8
+MAX_ARRAY_DEPTH = 8  # nested metadata arrays (ds4 files have none; bounds the recursion on bad files)
 ARCHITECTURE = "deepseek4"
 
 
@@ -269,8 +270,10 @@ class GGUFFile:
         cur.pos = self._skip_items(cur, item_type, count, key)
         return field
 
-    def _skip_items(self, cur: _Cursor, item_type: ValueType, count: int, key: str) -> int:
+    def _skip_items(self, cur: _Cursor, item_type: ValueType, count: int, key: str, depth: int = 1) -> int:
         """End offset of `count` items starting at cur.pos, reading only string lengths (fast path)."""
+        if depth > MAX_ARRAY_DEPTH:
+            raise ModelFileError(f"metadata key {key} nests arrays deeper than {MAX_ARRAY_DEPTH} levels")
         if item_type in _FIXED:
             cur.need(count * _FIXED[item_type][0].size)
             return cur.pos + count * _FIXED[item_type][0].size
@@ -280,7 +283,7 @@ class GGUFFile:
         for _ in range(count):
             sub_type = _value_type(cur.u32(), key)
             sub_count = cur.u64()
-            cur.pos = self._skip_items(cur, sub_type, sub_count, key)
+            cur.pos = self._skip_items(cur, sub_type, sub_count, key, depth + 1)
         return cur.pos
 
     def _skip_strings(self, cur: _Cursor, count: int) -> int:
@@ -290,7 +293,7 @@ class GGUFFile:
         try:
             for _ in range(count):
                 pos += 8 + unpack(buf, pos)[0]
-        except struct.error:
+        except (struct.error, OverflowError):  # a length ran past the file (or past any offset)
             cur.need(8, pos)
         cur.need(pos - cur.pos)
         return pos
@@ -773,7 +776,8 @@ def _check_tokenizer(f: GGUFFile, cfg: ModelConfig) -> None:
 class ModelFile(GGUFFile):
     """A ds4 GGUF: the container plus its ModelConfig, with the tensor inventory validated.
 
-    Load order as in ds4: container -> tokenizer keys -> metadata -> tensor layout.
+    Checked in order: container, metadata (type rules, then consistency), tokenizer keys (their count
+    against vocab_size), tensor layout. validate=False reads the config but skips everything after it.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, validate: bool = True) -> None:

@@ -4,6 +4,7 @@ and one clear ModelFileError for every kind of bad file (model.md §2)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from dataclasses import replace
@@ -574,3 +575,32 @@ def test_container_reads_other_architectures(tmp_path):
         assert f.tensors["w"].qtype == int(QT.Q6_K) and f.tensors["w"].dims == (256, 2)
         assert f.token_types() is None
     expect_error(path, "general.architecture is 'llama', expected 'deepseek4'")
+
+
+def test_corrupted_headers_give_only_model_file_errors(tmp_path, small_gguf):
+    """Random byte edits of the header and random truncations: open either works or raises ModelFileError."""
+    import random
+
+    good = small_gguf.read_bytes()
+    header = gguf.GGUFReader(str(small_gguf)).data_offset
+    rng = random.Random(20261129)
+    path = tmp_path / "fuzz.gguf"
+    errors = 0
+    assert not any(good[header:])  # zero weights: each case writes the header and extends the file sparsely
+    for _ in range(400):
+        data, size = bytearray(good[:header]), len(good)
+        if rng.random() < 0.2:
+            size = rng.randrange(size)
+            data = data[:size]
+        else:
+            for _ in range(rng.choice([1, 2, 4, 8])):
+                data[rng.randrange(header)] = rng.randrange(256)
+        path.write_bytes(bytes(data))
+        os.truncate(path, size)
+        try:
+            with open_model(path) as mf:
+                mf.tokens(), mf.merges(), mf.token_types(), [mf.metadata[k] for k in mf.metadata]
+        except ModelFileError as e:
+            errors += 1
+            assert "\n" not in str(e)
+    assert errors > 200  # most edits break something
