@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from conftest import BENCH_TEXT, OFFICIAL_TINY, TEST_VECTORS
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds4 import tokenizer as T
 from ds4.tokenizer import (
@@ -271,6 +273,19 @@ def test_plain_encode_matches_hf_on_random_strings(tok, hf_plain):
     rng = random.Random(7)
     for s in random_strings(rng, 2500, ALPHABET + SPECIAL_SNIPPETS + OTHER_ADDED):
         assert tok.encode(s) == hf_ids(hf_plain, s), repr(s)
+
+
+# Characters assigned in Python 3.11's Unicode (14.0); newer ones (e.g. CJK Extension J, Unicode 17) may be
+# classified differently by the `regex` module and HF's Oniguruma, whose Unicode tables differ in version.
+ASSIGNED_TEXT = st.text(alphabet=st.characters(exclude_categories=("Cs", "Cn")), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=ASSIGNED_TEXT)
+def test_property_plain_encode_equals_hf_and_roundtrips(tok, hf_plain, text):
+    ids = tok.encode(text)
+    assert ids == hf_ids(hf_plain, text)
+    assert tok.decode(ids) == text
 
 
 def test_plain_mode_keeps_specials_as_text(tok):
