@@ -69,7 +69,10 @@ class Message:
     """One chat message in the neutral (dialect-free) form the server adapters produce.
 
     `tool_calls` items may be given as ds4.dsml.ToolCall or as mappings `{id, name, arguments}` (arguments:
-    JSON text); they are normalised to ToolCall.
+    JSON text); they are normalised to ToolCall. Roles: system, developer, user, assistant, tool/function.
+    Adapters split an Anthropic user message into one `user` message per text block and one `tool` message
+    (with tool_call_id) per tool_result block, in block order; the renderer joins them into one user turn
+    exactly as the official encoder joins its content blocks.
     """
 
     role: str

@@ -173,7 +173,8 @@ class Tokenizer:
             # Lazy import: ds4.gguf sits above the text layer; only this convenience constructor needs it.
             from ds4.gguf import GGUFFile
 
-            source = GGUFFile(source)
+            with GGUFFile(source) as f:  # only the vocab arrays are read; no tensor data is touched
+                return cls.from_gguf(f)
         for name in ("tokens", "merges"):
             if not callable(getattr(source, name, None)):
                 raise TypeError(
