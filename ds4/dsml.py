@@ -333,10 +333,11 @@ FAMILIES = (Family("dsml", DSML), Family("short", DSML[1:]), Family("xml", ""))
 _START_MARKERS = tuple(f.calls_open for f in FAMILIES)
 
 
-def new_tool_id(prefix: str = "call_", taken: Callable[[str], bool] | None = None) -> str:
-    """`prefix` + 32 lowercase hex (16 random bytes), retried while `taken(id)` says it is in use."""
+def new_tool_id(prefix: str = "call_", taken: Callable[[str], bool] | None = None, nbytes: int = 16) -> str:
+    """`prefix` + 2*nbytes lowercase hex (`call_`/`toolu_` + 32; Responses items: `fc_`, nbytes=12),
+    retried while `taken(id)` says it is in use (§2.4)."""
     while True:
-        tool_id = prefix + secrets.token_hex(16)
+        tool_id = prefix + secrets.token_hex(nbytes)
         if taken is None or not taken(tool_id):
             return tool_id
 
@@ -673,9 +674,11 @@ class DsmlStream:
         return True
 
     def _tag_attrs(self) -> dict[str, str] | None | Any:
-        gt = self._buf.find(">")
+        """Attributes up to the first '>', _WAIT, or None when no '>' comes within _MAX_TAG chars
+        (a fixed position, so the outcome does not depend on how the text was split)."""
+        gt = self._buf.find(">", 0, _MAX_TAG)
         if gt < 0:
-            return None if len(self._buf) > _MAX_TAG else _WAIT
+            return None if len(self._buf) >= _MAX_TAG else _WAIT
         attrs: dict[str, str] = {}
         for key, value in _ATTR_RE.findall(self._take(gt + 1)):
             attrs.setdefault(key, unescape_attr(value))
@@ -685,7 +688,9 @@ class DsmlStream:
         attrs = self._tag_attrs()
         if attrs is _WAIT:
             return False
-        if attrs is None or "name" not in attrs:
+        if attrs is None:
+            return self._fail(f"invoke tag not closed within {_MAX_TAG} characters")
+        if "name" not in attrs:
             return self._fail("invoke tag without a name")
         tool_id = new_tool_id(self._id_prefix, self._id_taken)
         self._ids.add(tool_id)
@@ -731,7 +736,9 @@ class DsmlStream:
         attrs = self._tag_attrs()
         if attrs is _WAIT:
             return False
-        if attrs is None or "name" not in attrs:
+        if attrs is None:
+            return self._fail(f"parameter tag not closed within {_MAX_TAG} characters")
+        if "name" not in attrs:
             return self._fail("parameter tag without a name")
         if self._nested:
             sep, self._nested_first = ("" if self._nested_first else ","), False
@@ -930,11 +937,12 @@ class DsmlTracker:
         return rest
 
     def _tag_step(self, text: str) -> str:
-        gt = text.find(">")
+        room = _MAX_TAG - len(self._tag)  # a tag is at most _MAX_TAG chars, '>' included
+        gt = text.find(">", 0, room)
         if gt < 0:
+            if len(text) >= room:  # run-away tag: treat it as structural text
+                return self._goto(_Where.BETWEEN, text[room:])
             self._tag += text
-            if len(self._tag) > _MAX_TAG:
-                self._goto(_Where.BETWEEN, "")
             return ""
         tag, rest = self._tag + text[: gt + 1], text[gt + 1 :]
         fam = self._family

@@ -436,6 +436,7 @@ BAD = {  # name: (generated text after "</think>", expected error)
         "unterminated tool call",
     ),
     "unterminated tag": (OPEN_BLOCK + f'<{DSML}parameter name="x', "unterminated tool call"),
+    "run-away tag": (OPEN_BLOCK + f'<{DSML}parameter name="x' + "y" * 5000 + '">v', "not closed within"),
 }
 
 
@@ -649,14 +650,20 @@ def test_tracker_greedy_only_in_structure():
 @HYP
 @given(st.data())
 def test_tracker_split_invariance(data):
+    """After any piece, the state equals the one reached feeding the same text a char at a time."""
     text = OPEN + param("s", data.draw(_text)) + param("o", _json_text(data.draw(_json), 2), "false")
     text += data.draw(_text)
+    if data.draw(st.booleans()):  # a run-away tag
+        text = text.replace(' string="false"', " " * 4100 + ' string="false"')
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=12)))
-    whole, split = DsmlTracker(), DsmlTracker()
-    whole.update(text)
+    per_char = states(text)
+    split = DsmlTracker()
     for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
         split.update(text[a:b])
-    assert split.state == whole.state
+        if b > 0:
+            assert split.state == per_char[b - 1], (a, b)
+    whole = DsmlTracker()
+    assert whole.update(text) == per_char[-1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -667,6 +674,7 @@ def test_tracker_split_invariance(data):
 def test_new_tool_id_format_and_uniqueness():
     assert re.fullmatch(r"call_[0-9a-f]{32}", new_tool_id())
     assert re.fullmatch(r"toolu_[0-9a-f]{32}", new_tool_id("toolu_"))
+    assert re.fullmatch(r"fc_[0-9a-f]{24}", new_tool_id("fc_", nbytes=12))
     seen = []
     first = new_tool_id("call_", lambda i: (seen.append(i), len(seen) < 3)[1])
     assert len(seen) == 3 and first == seen[-1]
