@@ -13,7 +13,7 @@ from _gguf_model import load_model
 
 from ds4.model.state import EMPTY_SCORE
 
-N = 150  # > window 16; 37 ratio-4 rows (indexer selects from 9+ rows on); 4 ratio-32 rows
+N = 128  # > window 16; 32 ratio-4 rows (the indexer selects from row 9 on); 4 ratio-32 rows
 MAX_TOL = 5e-3
 MEAN_TOL = 1e-3
 
@@ -55,7 +55,7 @@ def test_geometry_exercised(model):
     cfg = model.cfg
     ratios = set(cfg.compress_ratios[: cfg.n_layer])
     assert N > cfg.window and {0, 4, 32} <= ratios
-    assert N // 4 > cfg.indexer_topk + 4 and N // 32 >= 3
+    assert N // 4 > cfg.indexer_topk + 4 and N // 32 >= 4
 
 
 def test_prefill_equals_decode(model, tokens, stepwise):
@@ -134,3 +134,36 @@ def test_bad_input(model):
     with pytest.raises(ValueError, match="out of range"):
         model.forward(state, [model.cfg.n_vocab])
     assert state.n_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The same invariance on the tiny synthetic model: another shape (window 32, ratios 4 and 128,
+# 4 heads, 4 indexer heads) with the release quant formats.
+# ---------------------------------------------------------------------------------------------
+
+N_SYN = 300  # crosses the ratio-128 rows at 128 and 256 and the 32-token window many times
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    from ds4.config import TINY
+    from ds4.tools.make_model import ensure_tiny_model
+
+    model = load_model(ensure_tiny_model())
+    assert model.cfg.compress_ratios == TINY.compress_ratios and model.cfg.window == TINY.window
+    toks = np.random.default_rng(7).integers(0, model.cfg.n_vocab, N_SYN).tolist()
+    one_shot = model.forward(model.new_state(N_SYN), toks)
+    assert torch.isfinite(one_shot).all()
+    return model, toks, one_shot
+
+
+@pytest.mark.parametrize("chunks", [[127, 1, 1, 127], [128, 128], [290] + [1] * 10, [33, 95, 1, 3, 124, 44]])
+def test_synthetic_chunkings(synthetic, chunks):
+    model, toks, one_shot = synthetic
+    state, pos = model.new_state(N_SYN), 0
+    for n in chunks + [N_SYN - sum(chunks)]:
+        if n:
+            out = model.forward(state, toks[pos : pos + n])
+            pos += n
+    assert pos == N_SYN and state.layers[3].comp.shape[0] == N_SYN // 128
+    assert_close(out, one_shot, f"chunks {chunks}")

@@ -19,7 +19,7 @@ from ds4.model.rope import rope_tail
 from ds4.model.state import EMPTY_SCORE, LayerKV
 
 FP8_BLOCK = 64
-ATTN_SCORE_BUDGET = 1 << 22  # max elements of one query block's score tensor [B, H, keys]
+SCORE_BUDGET = 1 << 22  # max elements of one query block's score temporary ([B, heads, keys])
 
 
 @dataclass
@@ -169,7 +169,11 @@ def indexer_select(
     qi = F.linear(qn, w.q_b).unflatten(-1, (n_heads, dim))  # [T, Hi, Di]
     qi = indexer_qat(rope_tail(qi, positions, inv_freq))
     wts = F.linear(xn, w.proj) * (dim**-0.5 * n_heads**-0.5)  # [T, Hi]
-    score = (torch.einsum("thd,cd->thc", qi, rows).relu() * wts[:, :, None]).sum(1)  # [T, C]
+    score = torch.empty(visible.shape)  # [T, C]
+    block = max(1, SCORE_BUDGET // (n_heads * rows.shape[0]))  # bound the [B, Hi, C] temporary
+    for a in range(0, len(positions), block):
+        per_head = torch.einsum("thd,cd->thc", qi[a : a + block], rows).relu()  # [B, Hi, C]
+        score[a : a + block] = (per_head * wts[a : a + block, :, None]).sum(1)
     score = score.masked_fill(~visible, float("-inf"))
     top = score.sort(dim=-1, descending=True, stable=True).indices[:, :topk]  # stable: ties keep low index
     chosen = torch.zeros_like(visible).scatter_(1, top, True)
@@ -199,7 +203,7 @@ def sink_attention(
     T, H, D = q.shape
     scale = D**-0.5
     out = torch.empty_like(q)
-    block = max(1, min(T, ATTN_SCORE_BUDGET // (H * (window + comp.shape[0] + T))))
+    block = max(1, min(T, SCORE_BUDGET // (H * (window + comp.shape[0] + T))))
     for a in range(0, T, block):
         b = min(T, a + block)
         pos = positions[a:b]  # [B]
