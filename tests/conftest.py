@@ -26,7 +26,7 @@ def _unpack(name: str) -> Path:
     dst = CACHE / "official-tiny" / name
     if not dst.exists() or dst.stat().st_mtime < src.stat().st_mtime:
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_suffix(".tmp")
+        tmp = dst.with_suffix(f".{os.getpid()}.tmp")  # per process: parallel runs must not race
         with lzma.open(src) as fin, open(tmp, "wb") as fout:
             shutil.copyfileobj(fin, fout, 1 << 20)
         tmp.replace(dst)
