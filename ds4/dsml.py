@@ -1,7 +1,8 @@
 """Row 2: DSML tool calls (product.md §2), pure strings, no torch.
 
 Contents, in file order:
-  * JSON helpers: the §2.5 string escaping, compact serialization, raw top-level member splitting.
+  * JSON helpers: the §2.5 string escaping, compact serialization, raw top-level member splitting,
+    `api_arguments` (the §2.5 API form of arguments).
   * `tools_prompt_block`: the verbatim tools section of the system block (§2.1).
   * `render_tool_calls`: canonical JSON -> DSML rendering (§2.7).
   * `DsmlStream` / `parse_message`: the streaming projection (§2.11) and the final parse (§2.3), which is
@@ -143,6 +144,19 @@ def minify_json(raw: str) -> str:
             out.append(ch)
             in_str = ch == '"'
     return "".join(out)
+
+
+def api_arguments(arguments: str) -> str:
+    """The §2.5 API form of arguments: top-level members in their order, string values re-escaped,
+    other values minified, no spaces; `{}` when `arguments` is not a JSON object."""
+    members = split_json_object(arguments)
+    if members is None:
+        return "{}"
+    parts = []
+    for key, raw in members:
+        value = json_quote(json.loads(raw)) if raw.startswith('"') else minify_json(raw)
+        parts.append(f"{json_quote(key)}:{value}")
+    return "{" + ",".join(parts) + "}"
 
 
 def is_valid_json(text: str) -> bool:

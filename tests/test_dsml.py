@@ -36,6 +36,7 @@ from ds4.dsml import (
     ToolMemory,
     ToolParseError,
     TrackerState,
+    api_arguments,
     json_quote,
     new_tool_id,
     parse_message,
@@ -209,6 +210,15 @@ def test_split_json_object_keeps_raw_members():
     assert split_json_object("{}") == []
     for bad in ("[1]", '"s"', "{", '{"a":1,}', '{"a":1} x', "{'a':1}", '{"a":NaN}', ""):
         assert split_json_object(bad) is None, bad
+
+
+def test_api_arguments():
+    assert (
+        api_arguments('{ "a" : "x\\u00e9\\/", "b": [1, 2],\n "c": {"d": null} }')
+        == '{"a":"xé/","b":[1,2],"c":{"d":null}}'
+    )
+    for not_object in ("[1]", "nope", "", '{"a":1'):
+        assert api_arguments(not_object) == "{}"
 
 
 # ---------------------------------------------------------------------------------------------
