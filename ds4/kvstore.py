@@ -114,6 +114,10 @@ class KVFileError(Ds4Error, ValueError):
     """A cache file that cannot be used (the message names the field, expected and actual value)."""
 
 
+class _FileChanged(KVFileError):
+    """The file was replaced since it was listed: not a bad file, just a stale listing."""
+
+
 # ---------------------------------------------------------------------------------------------
 # File format
 # ---------------------------------------------------------------------------------------------
@@ -415,6 +419,20 @@ class KVStore:
         first = (start // step + 1) * step
         return [n for n in range(first, end + 1, step) if self.continued_due(n, last_stored)]
 
+    def prefill_stops(
+        self, prompt_len: int, cached: int, last_stored: int, anchor: int | None = None
+    ) -> list[tuple[int, SaveReason]]:
+        """Where a prefill from `cached` to `prompt_len` tokens stops to save, in order.
+
+        The cold target is reserved first (§5.5), so no continued store repeats or precedes it; the caller
+        records each stop with StoreSchedule.on_store once the file is written.
+        """
+        cold = self.cold_target(prompt_len, cached, anchor)
+        stops = [(cold, SaveReason.COLD)] if cold is not None else []
+        reserved = max(last_stored, cold or 0)
+        stops += [(n, SaveReason.CONTINUED) for n in self.continued_frontiers(cached, prompt_len, reserved)]
+        return sorted(stops)
+
     def evict_target(self, live_len: int, covered: int = 0) -> int | None:
         """Token count to save when the live session is dropped (also shutdown); None = not worth it.
 
@@ -454,6 +472,8 @@ class KVStore:
                     continue
                 try:
                     hit = self._verify(e, data)
+                except _FileChanged:
+                    continue
                 except (OSError, KVFileError) as err:
                     self._quarantine(e.path, str(err))
                     continue
@@ -481,6 +501,9 @@ class KVStore:
                 raise KVFileError(f"payload truncated: expected {e.payload_bytes} bytes, got {len(payload)}")
             if payload_head(payload)[1] != e.n_tokens:
                 raise KVFileError("payload token count differs from the header")
+        except _FileChanged as err:
+            log.info("kv cache: %s", err)
+            return None
         except (OSError, KVFileError) as err:
             self._quarantine(e.path, str(err))
             return None
@@ -532,12 +555,14 @@ class KVStore:
         tool_map: Iterable[tuple[str, str]] | None = None,
         flags: int = 0,
         protect: Iterable[str | bytes] = (),
+        hits: int = 0,
     ) -> Entry | None:
         """Save a checkpoint keyed by `text` (its decoded tokens, or a visible transcript with `flags`).
 
         Declines (None, logged) below min_tokens, beyond the budget, or when admitting it would evict a
         more valuable or protected file; a failed write (ENOSPC...) leaves the directory as it was.
-        `protect`: texts about to be looked up, whose prefixes eviction must keep.
+        `protect`: texts about to be looked up, whose prefixes eviction must keep. `hits`: the initial hit
+        count, e.g. how many requests the live session served before this evict store (its proven value).
         """
         data = text.encode() if isinstance(text, str) else bytes(text)
         ctx, n_tokens = payload_head(payload)
@@ -560,7 +585,7 @@ class KVStore:
                 log.warning("kv cache: not storing %s: %d bytes exceed the budget", name, size)
                 return None
             protected = self._protected(protect) - {name}
-            new_score = _score(1, 0, n_tokens, size)  # a fresh file: no hits, age 0
+            new_score = _score(hits + 1, 0, n_tokens, size)  # a fresh file: age 0
             if not self._admit(size, new_score, protected, name):
                 return None
             now = int(self.clock())
@@ -569,7 +594,7 @@ class KVStore:
                 reason=int(reason),
                 flags=flags,
                 n_tokens=n_tokens,
-                hits=0,
+                hits=min(max(hits, 0), 0xFFFFFFFF),
                 ctx=ctx,
                 created=now,
                 last_used=now,
@@ -825,7 +850,7 @@ def _check_same(f: BinaryIO, e: Entry) -> Entry:
     """Re-read an open file's head and check it is still the file `e` describes (not replaced)."""
     cur = parse_head(f.read(HEAD_BYTES), e.path, os.fstat(f.fileno()).st_size)
     if (cur.n_tokens, cur.payload_bytes, cur.text_bytes) != (e.n_tokens, e.payload_bytes, e.text_bytes):
-        raise KVFileError("file changed since it was listed")
+        raise _FileChanged(f"{e.name} changed since it was listed")
     return cur
 
 

@@ -375,6 +375,8 @@ def test_admission_keeps_a_more_valuable_file(tmp_path, snaps, text):
     clock.t += 60
     assert st.store(b"one-off " + text(256), snaps[256][0]) is None  # would evict a hit file: declined
     assert big.path.exists()
+    assert st.store(b"one-off " + text(256), snaps[256][0], hits=2) is None  # 3 < 4: still declined
+    assert big.path.exists()
     clock.t += 30 * 24 * 3600  # a month later the hits have faded: the new file wins
     assert st.store(b"one-off " + text(256), snaps[256][0]) is not None and not big.path.exists()
 
@@ -425,6 +427,12 @@ def test_store_triggers(tmp_path):
     assert st.continued_frontiers(10240, 25000, 4096) == [20480]
     assert st.continued_frontiers(0, 10239, 0) == []
 
+    cold, cont = SaveReason.COLD, SaveReason.CONTINUED
+    assert st.prefill_stops(25000, 0, 0) == [(24576, cold)]  # cold reserves its frontier: no 10240/20480
+    assert st.prefill_stops(35000, 0, 0) == [(10240, cont), (20480, cont), (30720, cont)]  # > cold max
+    assert st.prefill_stops(25000, 0, 0, anchor=900) == [(900, cold), (10240, cont), (20480, cont)]
+    assert st.prefill_stops(45000, 12000, 10240) == [(20480, cont), (30720, cont), (40960, cont)]
+    assert st.prefill_stops(400, 0, 0) == []
     assert st.evict_target(600) == 600 and st.evict_target(511) is None
     assert st.evict_target(1000, covered=700) is None  # 300 new tokens: a cheap re-prefill, no new file
     assert st.evict_target(2000, covered=700) == 2000
@@ -444,3 +452,47 @@ def test_bad_parameters_name_the_value(tmp_path):
         KVStore(tmp_path, ctx=4096, quant_bits=3)
     assert (tmp_path.stat().st_mode & 0o777) and KVStore(tmp_path / "new", ctx=4096).dir.is_dir()
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+
+
+def test_listing_and_lookup_do_not_read_payloads(tmp_path, snaps, text, monkeypatch):
+    import ds4.kvstore as kvstore
+
+    st = make(tmp_path)
+    for n in (96, 160, 256):
+        st.store(text(n), snaps[n][0])
+    read = []
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def read(self, n=-1):
+            out = self.f.read(n)
+            read.append(len(out))
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(kvstore, "open", lambda *a, **k: Counting(open(*a, **k)), raising=False)
+    assert len(st.entries()) == 3 and sum(read) == 3 * 52  # heads only
+    read.clear()
+    assert st.lookup(text(320)).n_tokens == 256
+    assert sum(read) <= 3 * 52 + 52 + len(text(256)) + 52  # heads, the winner's head + text, DSV4 header
+    read.clear()
+    assert len(st.read_payload(st.lookup(text(320)))) == len(snaps[256][0])
+
+
+def test_temp_file_of_a_live_writer_is_kept(tmp_path):
+    live = tmp_path / f"{'a' * 40}.kv.tmp.{os.getppid()}"
+    dead = tmp_path / f"{'b' * 40}.kv.tmp.{os.getpid()}"  # our own pid: left by an earlier instance
+    live.write_bytes(b"x")
+    dead.write_bytes(b"x")
+    make(tmp_path)
+    assert live.exists() and not dead.exists()
