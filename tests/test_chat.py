@@ -8,6 +8,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds4.chat import (
     COMPLETIONS_SYSTEM,
@@ -429,3 +431,53 @@ def test_append_message_ids(tok):
     expected += [tok.assistant_id, *tok.encode("<think>r</think>x")]
     expected += [tok.user_id, *tok.encode("Tool: "), *tok.encode("out")]
     assert ids == expected
+
+
+# --------------------------------------------------------------------------------------------
+# Random conversations vs the official encoder (hypothesis)
+# --------------------------------------------------------------------------------------------
+
+TEXTS = st.sampled_from(
+    ["", "hi", "line 1\nline 2", "  spaced  ", "中文 😀", "<think>x</think>", "a && b > c"]
+)
+
+
+@st.composite
+def conversations(draw) -> tuple[list[Message], bool, str]:
+    messages: list[Message] = []
+    if draw(st.booleans()):
+        messages.append(M("system", draw(TEXTS)))
+    ids: list[str] = []
+    for _ in range(draw(st.integers(0, 8))):
+        role = draw(st.sampled_from(["user", "assistant", "tool"]))
+        if role == "user":
+            messages.append(M("user", draw(TEXTS)))
+        elif role == "assistant":
+            calls = draw(st.lists(st.sampled_from([LS, READ, MULTILINE]), max_size=3, unique=True))
+            calls = [ToolCall(c.name, c.arguments, f"id{len(ids) + k}") for k, c in enumerate(calls)]
+            ids += [c.id for c in calls]
+            reasoning = draw(st.one_of(st.none(), TEXTS))
+            messages.append(M("assistant", draw(TEXTS), reasoning=reasoning, tool_calls=calls))
+        else:
+            tool_id = draw(st.sampled_from(ids)) if ids else "unknown"
+            messages.append(M("tool", draw(TEXTS), tool_call_id=tool_id))
+    messages = messages or [M("user", "q")]  # official renders no Think-Max prefix for an empty list
+    return messages, draw(st.booleans()), draw(st.sampled_from(MODES))
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=conversations())
+def test_random_conversations_equal_official(official, case):
+    messages, with_tools, mode = case
+    tools = TOOLS if with_tools else None
+    tool_context = with_tools or any(m.role == "tool" or m.tool_calls for m in messages)
+    ours = render_chat_prompt(messages, tools=tools, mode=mode)
+    theirs = official_render(official, messages, mode, tools=tools, drop_thinking=not tool_context)  # D3
+    system = [m.content for m in messages if m.role == "system"]
+    prefix = BOS + (THINK_MAX_PREFIX if mode == "max" else "")
+    our_head = prefix + "\n\n".join(([tools_prompt_block(TOOLS)] if tools else []) + system)  # D1, D2
+    their_head = prefix + "".join(system)
+    if tools:
+        their_head += "\n\n" + official.render_tools(official.tools_from_openai_format(TOOLS))
+    assert ours.startswith(our_head) and theirs.startswith(their_head)
+    assert ours[len(our_head) :] == theirs[len(their_head) :]
