@@ -461,7 +461,11 @@ class KVStore:
         return not (self.reject_different_quant and e.quant_bits != self.quant_bits)
 
     def lookup(self, prompt: str | bytes) -> Hit | None:
-        """The file whose cache text is the longest byte prefix of `prompt` (ties: more tokens)."""
+        """The file whose cache text is the longest byte prefix of `prompt` (ties: more tokens).
+
+        `Hit.text_bytes` counts UTF-8 bytes (a token boundary may split a character): the caller restores the
+        payload and tokenizes `prompt_bytes[text_bytes:]` as the suffix. The hit is pinned against eviction.
+        """
         data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
         with self._lock:
             cands = [e for e in self._scan() if e.text_bytes <= len(data) and self.usable(e)]

@@ -22,7 +22,7 @@ import torch
 from conftest import BENCH_TEXT, REPO
 
 import ds4
-from ds4.kvstore import KVStore, SaveReason, chat_anchor
+from ds4.kvstore import KVStore, SaveReason, StoreSchedule, chat_anchor
 
 CTX = 1024
 MIN = 64
@@ -438,6 +438,14 @@ def test_store_triggers(tmp_path):
     assert st.evict_target(2000, covered=700) == 2000
     budget = 4096 << 20
     assert st.fits_budget(int(budget / 1.01)) and not st.fits_budget(int(budget / 1.01) + 2)
+
+    sched = StoreSchedule()
+    sched.on_store(24576)
+    assert not st.continued_due(20480, sched.last_stored)
+    sched.on_live_miss()
+    assert st.continued_due(20480, sched.last_stored)
+    sched.on_disk_hit(30000)
+    assert st.continued_frontiers(30000, 45000, sched.last_stored) == [30720, 40960]
 
     u, a = 128803, 128804
     assert chat_anchor([0, 5, 6, u, 7, a, 8, u, a], u, a) == 3
