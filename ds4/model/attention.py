@@ -132,6 +132,8 @@ def compressed_rows(
     """Rows [K, h] emitted by the chunk: pooled, RMS-normed, RoPE'd at the window start, then FP8
     (attention rows, nope dims) or Hadamard + FP4 (indexer rows, all dims)."""
     pooled, first = compress_chunk(w, xn, p0, ratio, front_kv, front_score)
+    if pooled.shape[0] == 0:  # no window completed (most decode steps)
+        return pooled
     rows = rms_norm(pooled, w.norm, eps)
     starts = first + ratio * torch.arange(rows.shape[0])  # RoPE position = first token of the window
     rows = rope_tail(rows, starts, inv_freq)
