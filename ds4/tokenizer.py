@@ -82,6 +82,13 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_OF_CHAR: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
+# Text -> byte-level string: UTF-8 bytes read as Latin-1 (one char per byte), then mapped per byte.
+_BYTE_LEVEL_TABLE = str.maketrans(_bytes_to_unicode())
+
+
+def byte_level(text: str) -> str:
+    """The GPT-2 byte-level form of `text` (what the ByteLevel pre-tokenizer feeds to BPE)."""
+    return text.encode("utf-8").decode("latin-1").translate(_BYTE_LEVEL_TABLE)
 
 
 def _byte_level() -> pre_tokenizers.ByteLevel:
@@ -157,8 +164,10 @@ class Tokenizer:
                     raise TokenizerError(f"duplicate vocab entry {tok!r} at ids {first[tok]} and {i}")
         self._special_ids: dict[str, int] = {s: self._require(s) for s in SPECIALS}
         self._merges = self._parse_merges(self._id_of, merges)
-        # BPE of one pre-tokenized piece (the piece is a single word: byte-level mapping only, no splitting).
-        self._bpe = self._hf_bpe(_byte_level())
+        # The BPE model alone: one pre-tokenized piece, already in byte-level form, is one word.
+        self._bpe_model = models.BPE(
+            vocab=self._id_of, merges=self._merges, fuse_unk=False, byte_fallback=False
+        )
         self._piece_ids: dict[str, list[int]] = {}  # piece -> ids; pieces repeat a lot (words, indentation)
         # Rendered-chat scan: any of the 7 specials, leftmost first (none is a prefix of another).
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
@@ -200,21 +209,18 @@ class Tokenizer:
                 )
         return [(left, right) for left, _, right in pairs]
 
-    def _hf_bpe(self, pre_tokenizer: pre_tokenizers.PreTokenizer) -> _HFTokenizer:
-        hf = _HFTokenizer(
-            models.BPE(vocab=self._id_of, merges=self._merges, fuse_unk=False, byte_fallback=False)
-        )
-        hf.pre_tokenizer = pre_tokenizer
-        hf.decoder = decoders.ByteLevel()
-        return hf
-
     def hf_pipeline(self) -> _HFTokenizer:
         """The whole plain-mode pipeline in HF `tokenizers` (Split x3 + ByteLevel + BPE), as in the official
         tokenizer.json. `encode` computes the same ids faster; this is kept as its in-process reference."""
         splits = [
             pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in PRETOKENIZE_PATTERNS
         ]
-        return self._hf_bpe(pre_tokenizers.Sequence([*splits, _byte_level()]))
+        hf = _HFTokenizer(
+            models.BPE(vocab=self._id_of, merges=self._merges, fuse_unk=False, byte_fallback=False)
+        )
+        hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, _byte_level()])
+        hf.decoder = decoders.ByteLevel()
+        return hf
 
     # ---- special ids --------------------------------------------------------------------------
 
@@ -283,9 +289,9 @@ class Tokenizer:
                 # Bound memory by starting a fresh dict (never clearing one in use, so that a concurrent
                 # caller holding the old dict still finds every piece it filled in).
                 cache = self._piece_ids = {}
-            encoded = self._bpe.encode_batch(missing, add_special_tokens=False)
-            for piece, enc in zip(missing, encoded, strict=True):
-                cache[piece] = enc.ids
+            tokenize = self._bpe_model.tokenize
+            for piece in missing:
+                cache[piece] = [t.id for t in tokenize(byte_level(piece))]
         return list(chain.from_iterable(map(cache.__getitem__, pieces)))
 
     # ---- decoding -----------------------------------------------------------------------------
