@@ -248,32 +248,7 @@ def attention_forward(
     kv = rms_norm(F.linear(xn, w.kv), w.kv_norm, eps)  # [T, D] one shared K=V row per token
     kv = fp8_nope(rope_tail(kv, positions, inv_freq), R)
 
-    comp, comp_visible = kv.new_zeros(0, D), torch.zeros(len(positions), 0, dtype=torch.bool)
-    if shape.ratio:
-        r = shape.ratio
-        rows = compressed_rows(
-            w.compressor, xn, p0, r, kv_state.comp_kv, kv_state.comp_score, inv_freq, eps, indexer=False
-        )
-        kv_state.append_comp(rows)
-        comp = kv_state.comp  # [C, D]
-        if w.indexer is not None:
-            irows = compressed_rows(
-                w.indexer.compressor,
-                xn,
-                p0,
-                r,
-                kv_state.index_kv,
-                kv_state.index_score,
-                inv_freq,
-                eps,
-                indexer=True,
-            )
-            kv_state.append_index(irows)
-            comp_visible = indexer_select(
-                w.indexer, qn, xn, positions, kv_state.index, shape.indexer_topk, inv_freq
-            )
-        else:
-            comp_visible = torch.arange(comp.shape[0])[None, :] < ((positions + 1) // r)[:, None]
+    comp, comp_visible = compressed_keys(w, shape, kv_state, xn, qn, positions, inv_freq)  # [C, D], [T, C]
 
     raw = torch.cat([kv_state.raw, kv])  # [N, D] previous window rows + this chunk's rows
     raw_pos = torch.arange(p0 - kv_state.raw.shape[0], p0 + kv.shape[0])
@@ -282,6 +257,39 @@ def attention_forward(
 
     o = rope_tail(o, positions, inv_freq, inverse=True)  # de-rotate the tail at the query position
     return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
+
+
+def compressed_keys(
+    w: AttentionWeights,
+    shape: AttentionShape,
+    kv_state: LayerKV,
+    xn: torch.Tensor,
+    qn: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the chunk through the layer's compressors (appending their rows to kv_state).
+
+    Returns every compressed attention row [C, D] and which of them each token sees [T, C]: rows whose
+    window it has completed (n < (p+1)/r), narrowed to the indexer's top-k on ratio-4 layers.
+    """
+    r, eps, p0 = shape.ratio, shape.rms_eps, int(positions[0])
+    if r == 0:  # dense layer: raw window only
+        return xn.new_zeros(0, shape.head_dim), torch.zeros(len(positions), 0, dtype=torch.bool)
+    kv_state.append_comp(
+        compressed_rows(
+            w.compressor, xn, p0, r, kv_state.comp_kv, kv_state.comp_score, inv_freq, eps, indexer=False
+        )
+    )
+    if w.indexer is None:
+        causal = torch.arange(kv_state.comp.shape[0])[None, :] < ((positions + 1) // r)[:, None]
+        return kv_state.comp, causal
+    ic = w.indexer.compressor
+    kv_state.append_index(
+        compressed_rows(ic, xn, p0, r, kv_state.index_kv, kv_state.index_score, inv_freq, eps, indexer=True)
+    )
+    chosen = indexer_select(w.indexer, qn, xn, positions, kv_state.index, shape.indexer_topk, inv_freq)
+    return kv_state.comp, chosen
 
 
 def grouped_output(o: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor, groups: int) -> torch.Tensor:

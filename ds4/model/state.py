@@ -37,8 +37,9 @@ class RowBuffer:
         self.append(rows)
 
     def clone(self) -> RowBuffer:
-        out = RowBuffer(0, self._buf.shape[1])
-        out._buf, out.n = self._buf.clone(), self.n
+        """Same capacity, copying only the live rows (the zero tail stays lazily allocated)."""
+        out = RowBuffer(self._buf.shape[0], self._buf.shape[1])
+        out.append(self.rows)
         return out
 
 
