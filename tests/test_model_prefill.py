@@ -167,3 +167,13 @@ def test_synthetic_chunkings(synthetic, chunks):
             pos += n
     assert pos == N_SYN and state.layers[3].comp.shape[0] == N_SYN // 128
     assert_close(out, one_shot, f"chunks {chunks}")
+
+
+def test_query_blocking_is_exact(model, tokens, monkeypatch):
+    """A small score budget splits attention and indexer scoring into many query blocks: same result."""
+    import ds4.model.attention as attention
+
+    whole = model.forward(model.new_state(N), tokens)
+    monkeypatch.setattr(attention, "SCORE_BUDGET", 3000)
+    blocked = model.forward(model.new_state(N), tokens)
+    assert float((whole - blocked).abs().max()) <= 1e-5
