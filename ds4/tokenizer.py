@@ -28,6 +28,8 @@ import regex
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ds4.errors import ModelFileError
+
 # --------------------------------------------------------------------------------------------
 # Special tokens (product.md §1.1): looked up by their literal vocab string.
 # --------------------------------------------------------------------------------------------
@@ -130,7 +132,7 @@ def pretokenize(text: str) -> list[str]:
     return pieces
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ModelFileError):
     """A vocabulary that cannot be used (missing special, bad merge, duplicate entry)."""
 
 
