@@ -1,0 +1,106 @@
+"""Routed experts on packed weights: gather the selected experts' blocks, decode, multiply (model.md §5.5).
+
+Legend: T tokens, k experts per token, E experts, F expert hidden width, d = n_embd, rb = packed row bytes.
+
+Decode (T = 1) takes the expert ids as a DEVICE tensor and only gathers those experts' blocks, so the step
+has no host sync and can be captured in a CUDA graph. Prefill groups tokens by expert (host loop over the
+experts in use) and decodes one expert at a time to the compute dtype for a GEMM. When the Triton kernels
+of ds4.kernels.moe are present they replace the gather + decode + matmul of decode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ds4.model.cuda.weights import Packed
+from ds4.quant import GGMLType
+from ds4.quant.dequant import _BLOCK_DECODERS, _f16, _iq2xxs_signed_grid  # the bit-exact block formulas
+from ds4.quant.types import BLOCK_GEOMETRY
+
+
+@functools.cache
+def _iq2_shifts(device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, 7, 14, 21], dtype=torch.int32, device=device)
+
+
+def _iq2_xxs(blk: torch.Tensor) -> torch.Tensor:
+    """Same formula as ds4.quant's IQ2_XXS decoder, with its constants cached (CUDA-graph safe)."""
+    n = blk.shape[0]
+    d = _f16(blk[:, 0:2])
+    sub = blk[:, 2:66].reshape(n, 8, 8)
+    b = sub[..., 4:8].to(torch.int32)
+    a1 = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    db = d[:, None] * (0.5 + (sub[..., 7] >> 4).float()) * 0.25
+    sign_idx = (a1[..., None] >> _iq2_shifts(blk.device)) & 127
+    row = sub[..., 0:4].to(torch.int64) * 128 + sign_idx
+    vals = torch.index_select(_iq2xxs_signed_grid(blk.device), 0, row.reshape(-1)).reshape(n, 8, 4, 8)
+    return (db[..., None, None] * vals).reshape(n, 256)
+
+
+def decode_rows(data: torch.Tensor, qtype: GGMLType, cols: int) -> torch.Tensor:
+    """Packed rows [..., rb] uint8 -> float32 [..., cols] (no host sync; shapes from the input only)."""
+    lead = data.shape[:-1]
+    if qtype == GGMLType.F32:
+        return data.contiguous().view(torch.float32).reshape(*lead, cols)
+    if qtype in (GGMLType.F16, GGMLType.BF16):
+        dt = torch.float16 if qtype == GGMLType.F16 else torch.bfloat16
+        return data.contiguous().view(dt).float().reshape(*lead, cols)
+    _, block_bytes = BLOCK_GEOMETRY[qtype]
+    blk = data.reshape(-1, block_bytes)
+    dec = _iq2_xxs(blk) if qtype == GGMLType.IQ2_XXS else _BLOCK_DECODERS[qtype](blk)
+    return dec.reshape(*lead, cols)
+
+
+def swiglu_mid(g: torch.Tensor, u: torch.Tensor, clamp: float) -> torch.Tensor:
+    if clamp > 0:
+        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)  # asymmetric: the gate has no lower bound
+    return F.silu(g) * u
+
+
+def routed_decode(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Packed, up: Packed, down: Packed, clamp
+) -> torch.Tensor:
+    """x [1, d], ids [1, k] (device), weights [1, k] -> [1, d]: sum_j w_j down_j(swiglu(gate_j x, up_j x))."""
+    sel = ids[0]
+    g = decode_rows(gate.data.index_select(0, sel), gate.qtype, gate.cols)  # [k, F, d]
+    u = decode_rows(up.data.index_select(0, sel), up.qtype, up.cols)
+    mid = swiglu_mid(g @ x[0], u @ x[0], clamp) * weights[0, :, None]  # [k, F]
+    dn = decode_rows(down.data.index_select(0, sel), down.qtype, down.cols)  # [k, d, F]
+    return torch.einsum("kdf,kf->d", dn, mid)[None]
+
+
+def routed_prefill(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate: Packed,
+    up: Packed,
+    down: Packed,
+    clamp: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """x [T, d], ids/weights [T, k] -> [T, d]; tokens grouped by expert, one expert decoded at a time."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [T*k] slots sorted by expert
+    counts = torch.bincount(flat, minlength=gate.data.shape[0]).tolist()  # host sync: prefill only
+    tok_sorted = order // k
+    xs = x.to(dtype)
+    y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start : start + n]
+        tok = tok_sorted[start : start + n]
+        start += n
+        xe = xs[tok]  # [n, d]
+        g = xe @ decode_rows(gate.data[e], gate.qtype, gate.cols).to(dtype).T  # [n, F]
+        u = xe @ decode_rows(up.data[e], up.qtype, up.cols).to(dtype).T
+        mid = swiglu_mid(g.float(), u.float(), clamp) * weights.reshape(-1)[slots, None]
+        out = mid.to(dtype) @ decode_rows(down.data[e], down.qtype, down.cols).to(dtype).T  # [n, d]
+        y.index_add_(0, tok, out.float())
+    return y

@@ -1,0 +1,292 @@
+"""One decoder layer on the device: chunked prefill (host-known positions) and a graph-safe decode step.
+
+Legend: T tokens of the chunk, B tokens of a query block, S HC streams, d = n_embd, H heads, D = head_dim,
+R = n_rot, W = window, r = ratio, c = 2 if r == 4 else 1, h = compressed row width, cap = compressed-row
+capacity, k = indexer top-k (or every row when fewer exist), Hi/Di indexer heads/dim, V vocabulary.
+
+The math is the CPU reference's (ds4.model.*), reusing its primitives (RMSNorm, RoPE, FP8/FP4 round trips,
+HC, router, compressor pooling); what differs is where state lives (DeviceKVState) and how the work is cut:
+ * decode (`decode_layer`) reads the position from a device tensor and writes rows with index_copy_ and
+   torch.where, so it has no host sync and no data-dependent shape: a CUDA graph can capture it;
+ * prefill (`prefill_layer`) runs a chunk layer-major like the CPU path, attention in query blocks over the
+   raw window + the compressed rows each query may see, and the routed experts grouped by expert.
+Big matrices may be bfloat16 (`lin` casts the activations); KV rows, scores and softmax stay float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ds4.model.attention import AttentionShape, CompressorWeights, compress_chunk, fp8_nope
+from ds4.model.block import LayerWeights
+from ds4.model.cuda.experts import routed_decode, routed_prefill, swiglu_mid
+from ds4.model.cuda.state import DeviceLayerKV
+from ds4.model.hc import hc_post, hc_pre
+from ds4.model.moe import route
+from ds4.model.norm import rms_norm
+from ds4.model.quantsim import indexer_qat
+from ds4.model.rope import rope_tail
+from ds4.model.state import EMPTY_SCORE
+
+SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key temporaries
+
+
+def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., in] f32 @ w[out, in]^T in w's dtype (tensor cores for bf16) -> f32 [..., out]."""
+    if w.dtype == torch.float32:
+        return F.linear(x, w)
+    return F.linear(x.to(w.dtype), w).float()
+
+
+def grouped_output(o: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor, groups: int) -> torch.Tensor:
+    """o [T, H, D] -> [T, d] (model.md §5.4: each head group -> Ro by its out_a slice, then out_b)."""
+    T = o.shape[0]
+    og = o.reshape(T, groups, -1).transpose(0, 1)  # [G, T, H/G*D]
+    wa = out_a.view(groups, -1, og.shape[-1])  # [G, Ro, H/G*D]
+    low = torch.bmm(og.to(wa.dtype), wa.transpose(1, 2)).float()  # [G, T, Ro]
+    return lin(low.transpose(0, 1).flatten(1), out_b)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, clamp: float) -> torch.Tensor:
+    return swiglu_mid(lin(x, gate), lin(x, up), clamp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by both paths
+# ---------------------------------------------------------------------------------------------
+
+
+def _qkv(w, shape: AttentionShape, xn, positions, inv_freq):
+    """(qn [T, Rq], q [T, H, D], kv rows [T, D]) exactly as the CPU attention_forward builds them."""
+    H, D, eps = shape.n_head, shape.head_dim, shape.rms_eps
+    qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)
+    q = lin(qn, w.q_b).unflatten(-1, (H, D))
+    q = rope_tail(rms_norm(q, None, eps), positions, inv_freq)
+    kv = rms_norm(lin(xn, w.kv), w.kv_norm, eps)
+    kv = fp8_nope(rope_tail(kv, positions, inv_freq), shape.n_rot)
+    return qn, q, kv
+
+
+def _finish_rows(w: CompressorWeights, pooled, starts, inv_freq, eps, n_rot: int, indexer: bool):
+    rows = rope_tail(rms_norm(pooled, w.norm, eps), starts, inv_freq)
+    return indexer_qat(rows) if indexer else fp8_nope(rows, n_rot)
+
+
+def _indexer_query(w, qn, xn, positions, inv_freq):
+    """qi [T, Hi, Di] (QAT'd) and head weights [T, Hi] (model.md §7)."""
+    n_heads, dim = w.proj.shape[0], w.compressor.norm.numel()
+    qi = lin(qn, w.q_b).unflatten(-1, (n_heads, dim))
+    qi = indexer_qat(rope_tail(qi, positions, inv_freq))
+    wts = lin(xn, w.proj) * (dim**-0.5 * n_heads**-0.5)
+    return qi, wts
+
+
+def _ffn(cfg, il: int, w: LayerWeights, X, tokens, *, decode: bool, dtype):
+    hc = dict(iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
+    x, post, comb = hc_pre(X, w.hc_ffn, **hc)
+    xf = rms_norm(x, w.ffn_norm, cfg.rms_eps)
+    m, clamp = w.moe, cfg.swiglu_clamp[il]
+    weights, ids = route(m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm)
+    if decode:
+        y = routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
+    else:
+        y = routed_prefill(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, dtype)
+    y = y + lin(swiglu(xf, m.gate_sh, m.up_sh, clamp), m.down_sh)
+    return hc_post(y, X, post, comb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: one token, position in a device tensor, no host sync.
+# ---------------------------------------------------------------------------------------------
+
+
+def _compress_step(w: CompressorWeights, xn, pos, ratio, fk, fs, out_rows, inv_freq, eps, n_rot, indexer):
+    """Advance a frontier by one token (in place); when its window completes, write the row at pos // r."""
+    r, overlap = ratio, ratio == 4
+    h = w.norm.numel()
+    slot = pos % r  # [1]
+    cur = r if overlap else 0
+    fk.index_copy_(0, cur + slot, lin(xn, w.kv))
+    fs.index_copy_(0, cur + slot, lin(xn, w.gate) + w.ape.index_select(0, slot))
+    if overlap:  # candidates: previous window's first half + this window's second half
+        cand_kv = torch.cat([fk[:r, :h], fk[r:, h:]])  # [2r, h]
+        cand_score = torch.cat([fs[:r, :h], fs[r:, h:]])
+    else:
+        cand_kv, cand_score = fk, fs
+    pooled = (cand_kv * cand_score.softmax(dim=0)).sum(0, keepdim=True)  # [1, h]
+    row = _finish_rows(w, pooled, pos - (r - 1), inv_freq, eps, n_rot, indexer)
+    done = slot == r - 1  # [1] bool: this token completes a window
+    idx = torch.clamp(pos // r, max=out_rows.shape[0] - 1)
+    out_rows.index_copy_(0, idx, torch.where(done[:, None], row, out_rows.index_select(0, idx)))
+    if overlap:  # current window becomes the previous one; the current one empties
+        fk[:r] = torch.where(done, fk[r:], fk[:r])
+        fs[:r] = torch.where(done, fs[r:], fs[:r])
+        fk[r:] = torch.where(done, torch.zeros_like(fk[r:]), fk[r:])
+        fs[r:] = torch.where(done, torch.full_like(fs[r:], EMPTY_SCORE), fs[r:])
+    else:
+        fk.copy_(torch.where(done, torch.zeros_like(fk), fk))
+        fs.copy_(torch.where(done, torch.full_like(fs, EMPTY_SCORE), fs))
+
+
+def _attend(q, keys, valid, sinks, scale):
+    """q [H, D], keys [n, D], valid [n] -> [H, D]; softmax with the per-head sink in the denominator."""
+    s = (q @ keys.T) * scale  # [H, n]
+    s = s.masked_fill(~valid[None, :], float("-inf"))
+    s = torch.cat([s, sinks[:, None]], dim=1)
+    return s.softmax(-1)[:, :-1] @ keys
+
+
+def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_freq):
+    """xn [1, d] at device position pos [1] -> [1, d]; appends to kv in place."""
+    R, eps, W, r = shape.n_rot, shape.rms_eps, shape.window, shape.ratio
+    qn, q, row = _qkv(w, shape, xn, pos, inv_freq)
+    kv.raw.index_copy_(0, pos % W, row)
+    slot_pos = pos - torch.remainder(pos - torch.arange(W, device=pos.device), W)  # [W] position per slot
+    keys, valid = [kv.raw], [slot_pos >= 0]
+    if r:
+        _compress_step(w.compressor, xn, pos, r, kv.comp_kv, kv.comp_score, kv.comp, inv_freq, eps, R, False)
+        count = (pos + 1) // r  # compressed rows visible to this token
+        cap = kv.comp.shape[0]
+        rows_valid = torch.arange(cap, device=pos.device) < count
+        if w.indexer is not None and cap > shape.indexer_topk:
+            ic = w.indexer.compressor
+            _compress_step(ic, xn, pos, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
+            qi, wts = _indexer_query(w.indexer, qn, xn, pos, inv_freq)  # [1, Hi, Di], [1, Hi]
+            score = ((qi[0] @ kv.index.T).relu() * wts[0, :, None]).sum(0)  # [cap]
+            score = score.masked_fill(~rows_valid, float("-inf"))
+            top = score.topk(shape.indexer_topk).indices  # [k]
+            keys.append(kv.comp.index_select(0, top))
+            valid.append(rows_valid.index_select(0, top))
+        else:
+            if w.indexer is not None:  # every visible row fits the top-k: keep the indexer rows current
+                ic = w.indexer.compressor
+                _compress_step(ic, xn, pos, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
+            keys.append(kv.comp)
+            valid.append(rows_valid)
+    o = _attend(q[0], torch.cat(keys), torch.cat(valid), w.sinks, shape.head_dim**-0.5)[None]
+    o = rope_tail(o, pos, inv_freq, inverse=True)
+    return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
+
+
+def decode_layer(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, token, pos, dtype):
+    """X [1, S, d] -> [1, S, d] for one token (token [1], pos [1] device tensors)."""
+    hc = dict(iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
+    x, post, comb = hc_pre(X, w.hc_attn, **hc)
+    xn = rms_norm(x, w.attn_norm, cfg.rms_eps)
+    X = hc_post(attention_decode(w.attn, shape, kv, xn, pos, inv_freq), X, post, comb)
+    return _ffn(cfg, il, w, X, token, decode=True, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: a chunk at host-known positions p0..p0+T-1.
+# ---------------------------------------------------------------------------------------------
+
+
+def _chunk_rows(w, xn, p0, r, fk, fs, out_rows, inv_freq, eps, n_rot, indexer) -> None:
+    """Run the chunk through a compressor frontier; store the rows of every window it completes."""
+    pooled, first = compress_chunk(w, xn, p0, r, fk, fs)
+    K = pooled.shape[0]
+    if K:
+        starts = first + r * torch.arange(K, device=xn.device)
+        n0 = first // r
+        out_rows[n0 : n0 + K] = _finish_rows(w, pooled, starts, inv_freq, eps, n_rot, indexer)
+
+
+def _indexer_pick(w, qn, xn, positions, rows, topk, inv_freq):
+    """(idx [T, k], valid [T, k]): each token's visible compressed rows, or its top-k by indexer score."""
+    T, C = positions.shape[0], rows.shape[0]
+    counts = (positions + 1) // 4  # [T]
+    ar = torch.arange(C, device=xn.device)
+    if C <= topk:
+        return ar.expand(T, C), ar[None, :] < counts[:, None]
+    qi, wts = _indexer_query(w, qn, xn, positions, inv_freq)
+    n_heads = qi.shape[1]
+    idx = torch.empty(T, topk, dtype=torch.long, device=xn.device)
+    valid = torch.empty(T, topk, dtype=torch.bool, device=xn.device)
+    block = max(1, SCORE_BUDGET // (n_heads * C))
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        per_head = torch.einsum("thd,cd->thc", qi[a:b], rows).relu()  # [B, Hi, C]
+        score = torch.einsum("thc,th->tc", per_head, wts[a:b])
+        score = score.masked_fill(ar[None, :] >= counts[a:b, None], float("-inf"))
+        top = score.topk(topk, dim=-1)
+        idx[a:b], valid[a:b] = top.indices, top.values > float("-inf")
+    return idx, valid
+
+
+def _sink_attention_chunk(q, raw, raw_p0, positions, window, comp, comp_idx, comp_valid, sinks, dtype):
+    """o [T, H, D] for queries q [T, H, D] at `positions`.
+
+    raw [N, D] rows at positions raw_p0..; comp [C, D]; each query t sees comp rows comp_idx[t] where
+    comp_valid[t] (comp_idx [T, k] or None when there are no compressed rows).
+    """
+    T, H, D = q.shape
+    scale = D**-0.5
+    out = torch.empty_like(q)
+    k = 0 if comp_idx is None else comp_idx.shape[1]
+    block = max(1, min(T, SCORE_BUDGET // (H * (window + k + 64) + k * D)))
+    p0 = int(positions[0])  # host value of the chunk's first position (positions are consecutive)
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        pos = positions[a:b]  # [B]
+        lo = max(0, p0 + a - window + 1 - raw_p0)
+        hi = p0 + b - raw_p0
+        kraw = raw[lo:hi].to(dtype)  # [n, D]
+        kp = raw_p0 + torch.arange(lo, hi, device=q.device)
+        vis = (kp[None, :] <= pos[:, None]) & (kp[None, :] > pos[:, None] - window)  # [B, n]
+        qb = q[a:b].to(dtype)
+        s = torch.einsum("thd,kd->thk", qb, kraw).float() * scale  # [B, H, n]
+        s = s.masked_fill(~vis[:, None, :], float("-inf"))
+        parts = [s]
+        if k:
+            kc = comp[comp_idx[a:b]].to(dtype)  # [B, k, D]
+            sc = torch.einsum("thd,tkd->thk", qb, kc).float() * scale
+            parts.append(sc.masked_fill(~comp_valid[a:b, None, :], float("-inf")))
+        parts.append(sinks[None, :, None].expand(b - a, H, 1))
+        p = torch.cat(parts, dim=-1).softmax(-1)  # the sink column only enlarges the denominator
+        n = kraw.shape[0]
+        o = torch.einsum("thk,kd->thd", p[..., :n].to(dtype), kraw).float()
+        if k:
+            o = o + torch.einsum("thk,tkd->thd", p[..., n : n + k].to(dtype), kc).float()
+        out[a:b] = o
+    return out
+
+
+def attention_prefill(w, shape: AttentionShape, kv: DeviceLayerKV, xn, p0: int, inv_freq, dtype):
+    T = xn.shape[0]
+    R, eps, W, r = shape.n_rot, shape.rms_eps, shape.window, shape.ratio
+    positions = torch.arange(p0, p0 + T, device=xn.device)
+    qn, q, rows = _qkv(w, shape, xn, positions, inv_freq)
+    comp = idx = valid = None
+    if r:
+        _chunk_rows(w.compressor, xn, p0, r, kv.comp_kv, kv.comp_score, kv.comp, inv_freq, eps, R, False)
+        C = (p0 + T) // r
+        comp = kv.comp[:C]
+        if w.indexer is not None:
+            ic = w.indexer.compressor
+            _chunk_rows(ic, xn, p0, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
+            topk = shape.indexer_topk
+            idx, valid = _indexer_pick(w.indexer, qn, xn, positions, kv.index[:C], topk, inv_freq)
+        else:
+            ar = torch.arange(C, device=xn.device)
+            idx, valid = ar.expand(T, C), ar[None, :] < ((positions + 1) // r)[:, None]
+        if C == 0:
+            idx = valid = None
+    n_prev = min(p0, W - 1)  # earlier rows any token of the chunk can still see
+    prev = kv.raw[torch.remainder(torch.arange(p0 - n_prev, p0, device=xn.device), W)]
+    raw = torch.cat([prev, rows])  # [N, D] at positions p0 - n_prev ..
+    o = _sink_attention_chunk(q, raw, p0 - n_prev, positions, W, comp, idx, valid, w.sinks, dtype)
+    keep = min(T, W)  # the ring keeps the last W rows
+    kv.raw[torch.remainder(positions[-keep:], W)] = rows[-keep:]
+    o = rope_tail(o, positions, inv_freq, inverse=True)
+    return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
+
+
+def prefill_layer(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, tokens, p0: int, dtype):
+    """X [T, S, d] -> [T, S, d] for a chunk at positions p0..; tokens [T] device ids."""
+    hc = dict(iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
+    x, post, comb = hc_pre(X, w.hc_attn, **hc)
+    xn = rms_norm(x, w.attn_norm, cfg.rms_eps)
+    X = hc_post(attention_prefill(w.attn, shape, kv, xn, p0, inv_freq, dtype), X, post, comb)
+    return _ffn(cfg, il, w, X, tokens, decode=False, dtype=dtype)

@@ -1,0 +1,222 @@
+"""CudaModel: the whole forward on one device, with the DS4Model interface (new_state / forward / logits).
+
+Legend: T tokens, S HC streams, d = n_embd, V vocabulary.
+
+`forward(state, tokens)` prefills chunks of `prefill_chunk` tokens layer-major; a single token runs the decode
+step, replayed from a CUDA graph captured once per state (static buffers, position and token in device
+tensors, so a replay needs no host work besides copying the token in). `decode_greedy` chains graph replays
+with the argmax computed on the device (the benchmark's loop: no host sync per token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ds4.config import ModelConfig
+from ds4.model.block import Block, load_layer
+from ds4.model.cuda.layer import decode_layer, lin, prefill_layer
+from ds4.model.cuda.state import DeviceKVState
+from ds4.model.cuda.weights import RawSource, WeightStore
+from ds4.model.hc import HCWeights, hc_head
+from ds4.model.norm import rms_norm
+from ds4.model.state import KVState
+
+DEFAULT_PREFILL_CHUNK = 4096
+
+
+class CudaModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        source: RawSource,
+        *,
+        has: Callable[[str], bool],
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        graphs: bool = True,
+    ) -> None:
+        self.cfg, self.device = cfg, torch.device(device)
+        if dtype is None:  # exact float32 for small models; bf16 tensor-core GEMMs at Flash size
+            dtype = torch.bfloat16 if cfg.n_embd >= 2048 else torch.float32
+        self.dtype, self.prefill_chunk = dtype, prefill_chunk
+        self.graphs = graphs and self.device.type == "cuda"
+        store = WeightStore(cfg, source, has, self.device, dtype)
+
+        def get(name: str):
+            return store.packed(name) if store.roles.get(name) else store.dense(name)
+
+        self.embd = get("token_embd.weight")  # [V, d]
+        self.layers = []
+        for il in range(cfg.n_layer):
+            blk = Block(cfg, il, load_layer(cfg, il, get, has))
+            blk.inv_freq = blk.inv_freq.to(self.device)
+            self.layers.append(blk)
+        self.head_hc = HCWeights(
+            fn=get("output_hc_fn.weight"),
+            scale=get("output_hc_scale.weight"),
+            base=get("output_hc_base.weight"),
+        )
+        self.output_norm = get("output_norm.weight")
+        self.output = get("output.weight")  # [V, d]
+        self._pool = None  # one memory pool shared by every captured decode graph
+
+    # ---- states ------------------------------------------------------------------------------
+
+    def new_state(self, ctx: int) -> DeviceKVState:
+        if ctx <= 0:
+            raise ValueError(f"context size must be positive, got {ctx}")
+        return DeviceKVState(self.cfg, ctx, self.device)
+
+    def state_from_cpu(self, cpu: KVState) -> DeviceKVState:
+        state = self.new_state(cpu.ctx)
+        state.load_cpu(cpu)
+        return state
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight tensor held on the device."""
+        seen, total = set(), 0
+        tensors = [self.embd, self.output, self.output_norm, *vars(self.head_hc).values()]
+        for blk in self.layers:
+            tensors += _tensors_of(blk.w)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, state: DeviceKVState, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed tokens at positions state.n_tokens.. (mutating state); float32 logits [V] of the last one."""
+        cfg, T, p0 = self.cfg, len(tokens), state.n_tokens
+        if T == 0:
+            raise ValueError("forward needs at least one token, got none")
+        if p0 + T > state.ctx:
+            raise ValueError(f"context overflow: {p0} tokens + {T} new > ctx {state.ctx}")
+        bad = [t for t in tokens if not 0 <= int(t) < cfg.n_vocab]
+        if bad:
+            raise ValueError(f"token id out of range [0, {cfg.n_vocab}): got {bad[0]}")
+        if T == 1:
+            return self._decode(state, int(tokens[0]))
+        logits = None
+        for a in range(0, T, self.prefill_chunk):
+            logits = self._prefill(state, list(tokens[a : a + self.prefill_chunk]))
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embd[ids].float()  # [T, d]
+        return e[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, S, d] copies
+
+    def _prefill(self, state: DeviceKVState, tokens: list[int]) -> torch.Tensor:
+        p0 = state.n_tokens
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        X = self._embed(ids)
+        for blk, kv in zip(self.layers, state.layers, strict=True):
+            X = prefill_layer(self.cfg, blk.il, blk.w, blk.shape, blk.inv_freq, kv, X, ids, p0, self.dtype)
+        state.n_tokens = p0 + len(tokens)
+        return self.logits(X[-1:])[0]
+
+    def logits(self, X: torch.Tensor) -> torch.Tensor:
+        """Output head: HC collapse, output_norm, vocabulary projection. X [T, S, d] -> [T, V]."""
+        h = hc_head(X, self.head_hc, rms_eps=self.cfg.rms_eps, hc_eps=self.cfg.hc_eps)
+        return lin(rms_norm(h, self.output_norm, self.cfg.rms_eps), self.output)
+
+    def decode_step(self, state: DeviceKVState, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The graph body: token [1], pos [1] device tensors -> logits [1, V]; mutates state's buffers."""
+        X = self._embed(token)
+        for blk, kv in zip(self.layers, state.layers, strict=True):
+            X = decode_layer(self.cfg, blk.il, blk.w, blk.shape, blk.inv_freq, kv, X, token, pos, self.dtype)
+        return self.logits(X)
+
+    def _decode(self, state: DeviceKVState, token: int) -> torch.Tensor:
+        runner = self.runner(state)
+        runner.token.fill_(token)
+        runner.pos.fill_(state.n_tokens)
+        runner.step()
+        state.n_tokens += 1
+        return runner.logits[0].clone()
+
+    def runner(self, state: DeviceKVState) -> DecodeRunner:
+        r = getattr(state, "_runner", None)
+        if r is None:
+            r = state._runner = DecodeRunner(self, state)
+        return r
+
+    @torch.inference_mode()
+    def decode_greedy(self, state: DeviceKVState, first_token: int, n: int) -> torch.Tensor:
+        """Feed first_token, then n-1 times the argmax of the previous logits, all on the device.
+
+        Returns the n tokens fed (device int64 [n]); state.n_tokens advances by n. No host sync inside.
+        """
+        if state.n_tokens + n > state.ctx:
+            raise ValueError(f"context overflow: {state.n_tokens} tokens + {n} new > ctx {state.ctx}")
+        runner = self.runner(state)
+        fed = torch.empty(n, dtype=torch.long, device=self.device)
+        runner.token.fill_(first_token)
+        runner.pos.fill_(state.n_tokens)
+        for i in range(n):
+            fed[i : i + 1].copy_(runner.token)
+            runner.step()
+            runner.token.copy_(runner.logits[0].argmax().view(1))
+            runner.pos.add_(1)
+        state.n_tokens += n
+        return fed
+
+
+class DecodeRunner:
+    """Static token/pos/logits buffers bound to one state; `step` replays the captured decode graph."""
+
+    def __init__(self, model: CudaModel, state: DeviceKVState) -> None:
+        self.model, self.state = model, state
+        dev = model.device
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(1, model.cfg.n_vocab, dtype=torch.float32, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _body(self) -> None:
+        self.logits.copy_(self.model.decode_step(self.state, self.token, self.pos))
+
+    def step(self) -> None:
+        if not self.model.graphs:
+            self._body()
+            return
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+
+    def _capture(self) -> None:
+        m = self.model
+        saved = self.state.clone()  # warm-up runs the step for real: put the state back afterwards
+        tok, pos = self.token.clone(), self.pos.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body()  # first call: lazy constants, cuBLAS handles, allocator warm-up
+        torch.cuda.current_stream().wait_stream(side)
+        self.state.copy_from(saved)
+        if m._pool is None:
+            m._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=m._pool):
+            self._body()
+        self.graph = g
+        self.token.copy_(tok)
+        self.pos.copy_(pos)
+        del saved
+
+
+def _tensors_of(obj) -> list:
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif hasattr(v, "data") and isinstance(v.data, torch.Tensor):  # Packed
+            out.append(v.data)
+        elif hasattr(v, "__dict__"):
+            out += _tensors_of(v)
+    return out

@@ -1,0 +1,96 @@
+"""Weights of the device forward: dense matrices in a compute dtype, routed experts kept packed.
+
+Legend: E routed experts, F expert hidden width, d = n_embd, rb = bytes of one packed row.
+
+Sources are callables name -> (ggml type, uint8 bytes) so a GGUF file (ds4.gguf.ModelFile) and synthetic
+weights built directly on the GPU (ds4.tools.synthetic.build_weights) load through the same code. Routed
+experts stay in their ggml blocks ([E, rows, rb] uint8, never dequantized whole); every other matrix is
+dequantized once to `dtype` (float32 for small models, so tests compare exactly; bfloat16 for Flash, for
+tensor-core GEMMs). Small vectors (norms, HC, router, sinks, APE) stay float32.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ds4.config import ModelConfig
+from ds4.layout import tensor_specs
+from ds4.quant import GGMLType, dequantize, row_nbytes
+
+RawSource = Callable[[str], tuple[GGMLType, torch.Tensor]]  # name -> (type, uint8 bytes, any shape)
+
+# Dense tensors bigger than this many elements are kept in the compute dtype (matrices); smaller ones f32.
+_SMALL = 1 << 22
+# router, HC, compressors: selection-critical or fed to the CPU reference's pooling code unchanged
+_KEEP_F32 = (
+    "ffn_gate_inp.weight",
+    "_fn.weight",
+    "ape.weight",
+    "compressor_kv.weight",
+    "compressor_gate.weight",
+)
+
+
+@dataclass
+class Packed:
+    """One routed-expert tensor in ggml blocks: data [E, rows, rb] uint8; logical [E, rows, cols]."""
+
+    qtype: GGMLType
+    data: torch.Tensor
+    rows: int
+    cols: int
+
+
+def gguf_source(mf) -> RawSource:
+    """RawSource over an open ModelFile (bytes read from the mapping, not copied until uploaded)."""
+
+    def get(name: str) -> tuple[GGMLType, torch.Tensor]:
+        info = mf.info(name)
+        with warnings.catch_warnings():  # read-only mapping: we only ever copy out of it
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            return GGMLType(info.qtype), torch.from_numpy(np.asarray(mf.raw(name)))
+
+    return get
+
+
+def dict_source(weights: dict[str, tuple[GGMLType, torch.Tensor]]) -> RawSource:
+    """RawSource over build_weights' {name: (type, bytes)}; entries are dropped once taken (frees memory)."""
+
+    def get(name: str) -> tuple[GGMLType, torch.Tensor]:
+        qtype, raw = weights.pop(name)
+        return GGMLType(qtype), raw
+
+    return get
+
+
+class WeightStore:
+    """Load every tensor of cfg from `source` onto `device`, in the forms the forward uses."""
+
+    def __init__(self, cfg: ModelConfig, source: RawSource, has: Callable[[str], bool], device, dtype):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.shapes = {s.name: s.shape for s in tensor_specs(cfg)}
+        self.roles = {s.name: s.role for s in tensor_specs(cfg)}
+        self.source, self.has = source, has
+
+    def dense(self, name: str, *, force_f32: bool = False) -> torch.Tensor:
+        qtype, raw = self.source(name)
+        shape = self.shapes[name]
+        raw = raw.to(self.device).reshape(-1)
+        if qtype == GGMLType.I32:
+            return raw.view(torch.int32).reshape(shape).long()
+        out = dequantize(raw, qtype, shape)  # f32 on device
+        big = out.numel() > _SMALL and not name.endswith(_KEEP_F32)
+        if big and not force_f32 and self.dtype != torch.float32:
+            out = out.to(self.dtype)
+        return out.contiguous()
+
+    def packed(self, name: str) -> Packed:
+        qtype, raw = self.source(name)
+        E, rows, cols = self.shapes[name]
+        data = raw.to(self.device).reshape(E, rows, row_nbytes(qtype, cols))
+        return Packed(qtype, data.contiguous(), rows, cols)
