@@ -527,7 +527,12 @@ class DsmlStream:
     def feed(self, piece: str | bytes) -> list[Event]:
         if self._finished:
             raise ValueError("DsmlStream.feed() after finish()")
-        self._buf += self._utf8.decode(piece) if isinstance(piece, bytes) else piece
+        if isinstance(piece, bytes):
+            self._buf += self._utf8.decode(piece)
+        elif self._utf8.getstate()[0]:
+            raise ValueError("DsmlStream.feed(str) while an incomplete UTF-8 byte sequence is pending")
+        else:
+            self._buf += piece
         self._run(final=False)
         return self._drain()
 

@@ -420,6 +420,10 @@ def test_toolu_prefix_and_unique_ids():
     assert len(set(ids)) == 3 and all(re.fullmatch(r"toolu_[0-9a-f]{32}", i) for i in ids)
     with pytest.raises(ValueError, match="after finish"):
         s.feed("x")
+    mixed = DsmlStream(thinking=False)
+    mixed.feed("é".encode()[:1])
+    with pytest.raises(ValueError, match="incomplete UTF-8"):
+        mixed.feed("x")
 
 
 # ---------------------------------------------------------------------------------------------
