@@ -5,8 +5,9 @@ GGUF (metadata types and tokenizer keys built the same way from deepseek-tokeniz
 model.md §2.2 written out below (not taken from the code under test).
 
 Speed: gguf.GGUFReader needs tens of seconds to parse the 129,280-token vocabulary on this shared CPU, so
-the per-mix files use TINY with a reduced vocabulary and no tokenizer keys (SMALL, still two chunks of
-token_embd); one real TINY q2 file checks the tokenizer keys byte for byte against the fixture.
+the per-mix files use TINY with a reduced vocabulary and no tokenizer keys (SMALL for q2, still two chunks
+of token_embd; MINI for the other mixes); one real TINY q2 file checks the tokenizer keys byte for byte
+against the fixture.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from ds4.tools import make_model, synthetic
 VT = gguf.GGUFValueType
 SEED = 7
 SMALL = replace(TINY, n_vocab=66000)  # 66000 x 256 > CHUNK_ELEMS: token_embd and output span two chunks
+MINI = replace(TINY, n_vocab=4096)
+
+
+def _cfg(quant: str):
+    return SMALL if quant == "q2" else MINI
+
 
 # model.md §2.2: key -> (GGUF type path, ModelConfig attribute or literal)
 U32_KEYS = {
@@ -56,7 +63,7 @@ F32_KEYS = {
 
 
 def _write(path: Path, quant: str, **kw) -> make_model.WriteStats:
-    return make_model.write_model(path, SMALL, quant, seed=SEED, tokenizer=False, **kw)
+    return make_model.write_model(path, _cfg(quant), quant, seed=SEED, tokenizer=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +197,7 @@ def test_every_tensor_present_with_type_and_dims(readers, quant):
     got = {t.name: t for t in r.tensors}
     want = [
         s
-        for s in tensor_specs(SMALL)
+        for s in tensor_specs(_cfg(quant))
         if not (s.name.endswith("exp_probs_b.bias") and int(s.name.split(".")[1]) < 3)
     ]
     assert [t.name for t in r.tensors] == [s.name for s in want]
@@ -222,8 +229,8 @@ def test_dequantized_values_are_finite_and_sane(readers, quant):
         name = t.name
         if name.endswith("tid2eid.weight"):
             ids = np.asarray(t.data)  # [V, K] int32
-            assert ids.shape == (SMALL.n_vocab, SMALL.n_expert_used)
-            assert ids.min() >= 0 and ids.max() < SMALL.n_expert
+            assert ids.shape == (_cfg(quant).n_vocab, TINY.n_expert_used)
+            assert ids.min() >= 0 and ids.max() < TINY.n_expert
             srt = np.sort(ids, axis=1)
             assert (np.diff(srt, axis=1) > 0).all(), f"{name}: repeated expert id in a row"
             continue
@@ -295,6 +302,42 @@ def test_rewrite_sparse_and_prefix_match_dense_file(tiny_files, readers, tmp_pat
     assert not stats.complete and stats.written_bytes >= 1 << 20
     head = prefix.read_bytes()
     assert len(head) < len(dense) and head == dense[: len(head)]
+
+
+def test_activations_stay_finite_and_lively_through_the_forward_pass():
+    """The weight recipe keeps every layer's HC state finite, O(1) and with distinct streams (model.md §5-8).
+
+    Runs the CPU reference forward (ds4.model) on MINI q2 weights, 48 tokens: past the 32-token window and
+    with 12 ratio-4 rows, so the indexer selects 8 of them.
+    """
+    from ds4.model.model import DS4Model
+    from ds4.quant.dequant import dequantize
+
+    w = synthetic.build_weights(MINI, "q2", seed=SEED)
+    shapes = {s.name: s.shape for s in tensor_specs(MINI)}
+    model = DS4Model(MINI, lambda n: dequantize(w[n][1], w[n][0], shapes[n]), has=lambda n: n in w)
+    seen = []
+    for block in model.layers:
+        inner = block.forward
+
+        def traced(X, *args, inner=inner):
+            Y = inner(X, *args)
+            seen.append(Y)
+            return Y
+
+        block.forward = traced
+    tokens = torch.randint(3, MINI.n_vocab, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = model.forward(model.new_state(64), [0, *tokens])
+    assert len(seen) == MINI.n_layer
+    for il, X in enumerate(seen):  # [T, S, d]
+        assert torch.isfinite(X).all(), f"layer {il}"
+        rms = X.pow(2).mean(-1).sqrt()  # [T, S]
+        spread = (X - X.mean(1, keepdim=True)).pow(2).mean(-1).sqrt() / rms  # stream distinctness
+        assert 0.5 < float(rms.min()) and float(rms.max()) < 10, f"layer {il}: rms {rms.min()}..{rms.max()}"
+        assert float(spread.mean()) > 0.02, f"layer {il}: the HC streams collapsed"
+    assert torch.isfinite(logits).all() and 0.3 < float(logits.std()) < 3
+    top2 = logits.topk(2).values
+    assert float(top2[0] - top2[1]) > 0 and int(logits.argmax()) not in (0, 1)
 
 
 # ---------------------------------------------------------------------------------------------
