@@ -22,6 +22,7 @@ from ds4.model.attention import AttentionShape, CompressorWeights, compress_chun
 from ds4.model.block import LayerWeights
 from ds4.model.cuda.experts import routed_decode, routed_prefill, swiglu_mid
 from ds4.model.cuda.state import DeviceLayerKV
+from ds4.model.cuda.weights import QLinear
 from ds4.model.hc import hc_post, hc_pre
 from ds4.model.moe import route
 from ds4.model.norm import rms_norm
@@ -29,11 +30,24 @@ from ds4.model.quantsim import indexer_qat
 from ds4.model.rope import rope_tail
 from ds4.model.state import EMPTY_SCORE
 
+try:  # the packed-weight matvec kernels (another module's family); the dense path works without them
+    from ds4.kernels.matvec import qmatvec
+except ImportError:  # pragma: no cover - kernels not installed
+    qmatvec = None
+
 SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key temporaries
 
 
-def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., in] f32 @ w[out, in]^T in w's dtype (tensor cores for bf16) -> f32 [..., out]."""
+DECODE_ROWS = 8  # activation rows up to which a QLinear uses the packed matvec kernel
+
+
+def lin(x: torch.Tensor, w: torch.Tensor | QLinear) -> torch.Tensor:
+    """x [T, in] f32 @ w[out, in]^T -> f32 [T, out]: the packed matvec kernel for few rows of a QLinear,
+    else a GEMM in the dense copy's dtype (tensor cores for bf16)."""
+    if isinstance(w, QLinear):
+        if x.shape[0] <= DECODE_ROWS:
+            return qmatvec(x, w.packed)
+        w = w.dense
     if w.dtype == torch.float32:
         return F.linear(x, w)
     return F.linear(x.to(w.dtype), w).float()
@@ -42,6 +56,13 @@ def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def grouped_output(o: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor, groups: int) -> torch.Tensor:
     """o [T, H, D] -> [T, d] (model.md §5.4: each head group -> Ro by its out_a slice, then out_b)."""
     T = o.shape[0]
+    if isinstance(out_a, QLinear) and T == 1:  # decode: one matvec of all G group inputs, keep the diagonal
+        Ro = out_a.packed.N // groups
+        full = qmatvec(o.reshape(groups, -1), out_a.packed).view(groups, groups, Ro)  # [G in, G out, Ro]
+        low = torch.diagonal(full, dim1=0, dim2=1).T.reshape(1, -1)  # [1, G*Ro]
+        return lin(low, out_b)
+    if isinstance(out_a, QLinear):
+        out_a = out_a.dense
     og = o.reshape(T, groups, -1).transpose(0, 1)  # [G, T, H/G*D]
     wa = out_a.view(groups, -1, og.shape[-1])  # [G, Ro, H/G*D]
     low = torch.bmm(og.to(wa.dtype), wa.transpose(1, 2)).float()  # [G, T, Ro]

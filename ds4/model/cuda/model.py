@@ -11,14 +11,15 @@ with the argmax computed on the device (the benchmark's loop: no host sync per t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import torch
 
 from ds4.config import ModelConfig
 from ds4.model.block import Block, load_layer
-from ds4.model.cuda.layer import decode_layer, lin, prefill_layer
+from ds4.model.cuda.layer import decode_layer, lin, prefill_layer, qmatvec
 from ds4.model.cuda.state import DeviceKVState
-from ds4.model.cuda.weights import RawSource, WeightStore
+from ds4.model.cuda.weights import QLinear, RawSource, WeightStore
 from ds4.model.hc import HCWeights, hc_head
 from ds4.model.norm import rms_norm
 from ds4.model.state import KVState
@@ -37,13 +38,17 @@ class CudaModel:
         dtype: torch.dtype | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         graphs: bool = True,
+        kernels: bool | None = None,
     ) -> None:
         self.cfg, self.device = cfg, torch.device(device)
         if dtype is None:  # exact float32 for small models; bf16 tensor-core GEMMs at Flash size
             dtype = torch.bfloat16 if cfg.n_embd >= 2048 else torch.float32
         self.dtype, self.prefill_chunk = dtype, prefill_chunk
         self.graphs = graphs and self.device.type == "cuda"
-        store = WeightStore(cfg, source, has, self.device, dtype)
+        if kernels is None:  # packed-weight Triton kernels for decode when they exist and a GPU runs them
+            kernels = self.device.type == "cuda" and qmatvec is not None
+        self.kernels = kernels
+        store = WeightStore(cfg, source, has, self.device, dtype, kernels)
 
         def get(name: str):
             return store.packed(name) if store.roles.get(name) else store.dense(name)
@@ -78,7 +83,8 @@ class CudaModel:
     def weight_bytes(self) -> int:
         """Bytes of every weight tensor held on the device."""
         seen, total = set(), 0
-        tensors = [self.embd, self.output, self.output_norm, *vars(self.head_hc).values()]
+        head = SimpleNamespace(e=self.embd, o=self.output, n=self.output_norm, hc=self.head_hc)
+        tensors = _tensors_of(head)
         for blk in self.layers:
             tensors += _tensors_of(blk.w)
         for t in tensors:
@@ -217,6 +223,8 @@ def _tensors_of(obj) -> list:
             out.append(v)
         elif hasattr(v, "data") and isinstance(v.data, torch.Tensor):  # Packed
             out.append(v.data)
+        elif isinstance(v, QLinear):
+            out += [v.dense, *v.packed.data.values()]
         elif hasattr(v, "__dict__"):
             out += _tensors_of(v)
     return out

@@ -37,6 +37,15 @@ _KEEP_F32 = (
 
 
 @dataclass
+class QLinear:
+    """A quantized matrix [out, in] held twice: packed ggml blocks (ds4.kernels.packing) for the decode
+    matvec, which reads the format's bytes, and a dense compute-dtype copy for prefill GEMMs."""
+
+    dense: torch.Tensor
+    packed: object  # ds4.kernels.packing.PackedWeight
+
+
+@dataclass
 class Packed:
     """One routed-expert tensor in ggml blocks: data [E, rows, rb] uint8; logical [E, rows, cols]."""
 
@@ -71,13 +80,15 @@ def dict_source(weights: dict[str, tuple[GGMLType, torch.Tensor]]) -> RawSource:
 class WeightStore:
     """Load every tensor of cfg from `source` onto `device`, in the forms the forward uses."""
 
-    def __init__(self, cfg: ModelConfig, source: RawSource, has: Callable[[str], bool], device, dtype):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+    def __init__(
+        self, cfg: ModelConfig, source: RawSource, has: Callable[[str], bool], device, dtype, kernels: bool
+    ):
+        self.cfg, self.device, self.dtype, self.kernels = cfg, torch.device(device), dtype, kernels
         self.shapes = {s.name: s.shape for s in tensor_specs(cfg)}
         self.roles = {s.name: s.role for s in tensor_specs(cfg)}
         self.source, self.has = source, has
 
-    def dense(self, name: str, *, force_f32: bool = False) -> torch.Tensor:
+    def dense(self, name: str) -> torch.Tensor | QLinear:
         qtype, raw = self.source(name)
         shape = self.shapes[name]
         raw = raw.to(self.device).reshape(-1)
@@ -85,8 +96,12 @@ class WeightStore:
             return raw.view(torch.int32).reshape(shape).long()
         out = dequantize(raw, qtype, shape)  # f32 on device
         big = out.numel() > _SMALL and not name.endswith(_KEEP_F32)
-        if big and not force_f32 and self.dtype != torch.float32:
+        if big and self.dtype != torch.float32:
             out = out.to(self.dtype)
+        if self.kernels and qtype == GGMLType.Q8_0 and name != "token_embd.weight":
+            from ds4.kernels.packing import pack
+
+            return QLinear(out.contiguous(), pack(raw, qtype, shape))
         return out.contiguous()
 
     def packed(self, name: str) -> Packed:
