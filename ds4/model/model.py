@@ -53,7 +53,7 @@ class DS4Model:
         layers = [LayerKV(r, cfg.head_dim, cfg.indexer_dim, ctx) for r in cfg.compress_ratios[: cfg.n_layer]]
         return KVState(ctx, layers)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: state tensors must stay writable by the engine afterwards
     def forward(self, state: KVState, tokens: Sequence[int]) -> torch.Tensor:
         """Feed tokens at positions state.n_tokens.. (mutating state); float32 logits [V] of the last one."""
         cfg, T, p0 = self.cfg, len(tokens), state.n_tokens
