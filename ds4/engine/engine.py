@@ -12,7 +12,14 @@ from ds4.gguf import ModelFile, open_model
 from ds4.model import DS4Model
 from ds4.tokenizer import Tokenizer
 
-BACKENDS = ("cpu",)  # "cuda" arrives with the fast path
+BACKENDS = ("cpu", "cuda")
+
+
+def default_backend() -> str:
+    """The backend used when none is named: "cuda" when a GPU is present, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Engine:
@@ -27,8 +34,9 @@ class Engine:
         return self.model_file.config
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], backend: str = "cpu") -> Engine:
-        """Load a ds4 GGUF (or the cached tiny synthetic model for path "tiny")."""
+    def open(cls, path: str | os.PathLike[str], backend: str | None = None) -> Engine:
+        """Load a ds4 GGUF (or the cached tiny synthetic model for path "tiny"); backend None = default."""
+        backend = backend or default_backend()
         if backend not in BACKENDS:
             raise Ds4Error(
                 f"unknown or unavailable backend {backend!r}: expected one of {', '.join(BACKENDS)}"
@@ -37,9 +45,19 @@ class Engine:
             from ds4.tools.make_model import ensure_tiny_model  # builds the file once, then cached
 
             path = ensure_tiny_model()
+        if backend == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise Ds4Error("backend 'cuda' needs a CUDA GPU, and torch sees none")
         mf = open_model(Path(path))
         try:
-            model = DS4Model(mf.config, mf.tensor, has=mf.has)
+            if backend == "cuda":
+                from ds4.model.cuda import CudaModel, gguf_source
+
+                model = CudaModel(mf.config, gguf_source(mf), has=mf.has, device="cuda")
+            else:
+                model = DS4Model(mf.config, mf.tensor, has=mf.has)
             tokenizer = Tokenizer.from_gguf(mf)
         except BaseException:
             mf.close()

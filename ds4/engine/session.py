@@ -138,7 +138,7 @@ class Session:
             self.reset()  # a half-updated KV state is unusable: fall back to an empty session
             raise
         self.tokens.extend(tokens)
-        self._logits = logits.to(torch.float32).reshape(-1)
+        self._logits = logits.to(device="cpu", dtype=torch.float32).reshape(-1)  # device backends: one copy
         if progress is not None:
             progress(len(tokens), len(tokens))
 
@@ -152,13 +152,19 @@ class Session:
 
     def snapshot(self) -> bytes:
         """The DSV4 payload (model.md §11.3) of this session."""
-        return snap.encode(self.layout, self.tokens, self._logits, self.state)
+        state = self.state.to_cpu() if hasattr(self.state, "to_cpu") else self.state  # device state: CPU form
+        return snap.encode(self.layout, self.tokens, self._logits, state)
 
     def restore(self, blob: bytes) -> None:
         """Replace the timeline by a payload; raises SnapshotError (state untouched) if it does not fit."""
         decoded = snap.decode(blob, self.layout)
         state = self.engine.model.new_state(self.ctx)
-        snap.install(decoded, state)
+        if hasattr(state, "to_cpu"):  # device state: install into its CPU form, then upload
+            cpu = state.to_cpu()
+            snap.install(decoded, cpu)
+            state.load_cpu(cpu)
+        else:
+            snap.install(decoded, state)
         self.state = state
         self.tokens = decoded.tokens
         self._logits = decoded.logits if decoded.tokens else None

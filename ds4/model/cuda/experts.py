@@ -16,6 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from ds4.model.cuda.weights import Packed
+
+try:  # gathered-expert / grouped Triton kernels (another module's family); optional
+    from ds4.kernels import moe as kmoe
+except ImportError:  # pragma: no cover - not there yet
+    kmoe = None
+try:
+    from ds4.kernels.matmul import moe_grouped
+except ImportError:  # pragma: no cover
+    moe_grouped = None
 from ds4.quant import GGMLType
 from ds4.quant.dequant import _BLOCK_DECODERS, _f16, _iq2xxs_signed_grid  # the bit-exact block formulas
 from ds4.quant.types import BLOCK_GEOMETRY
@@ -64,6 +73,9 @@ def routed_decode(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Packed, up: Packed, down: Packed, clamp
 ) -> torch.Tensor:
     """x [1, d], ids [1, k] (device), weights [1, k] -> [1, d]: sum_j w_j down_j(swiglu(gate_j x, up_j x))."""
+    if not isinstance(gate, Packed):  # PackedWeight stacks: the fused gather kernels
+        ids32 = ids.to(torch.int32)
+        return kmoe.moe_down(kmoe.moe_gate_up(x, gate, up, ids32, clamp), weights, down, ids32)
     sel = ids[0]
     g = decode_rows(gate.data.index_select(0, sel), gate.qtype, gate.cols)  # [k, F, d]
     u = decode_rows(up.data.index_select(0, sel), up.qtype, up.cols)
@@ -86,8 +98,18 @@ def routed_prefill(
     T, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T*k] slots sorted by expert
-    counts = torch.bincount(flat, minlength=gate.data.shape[0]).tolist()  # host sync: prefill only
+    n_exp = gate.data.shape[0] if isinstance(gate, Packed) else gate.shape[0]
+    hist = torch.bincount(flat, minlength=n_exp)
     tok_sorted = order // k
+    if not isinstance(gate, Packed) and moe_grouped is not None:  # grouped GEMMs, dequant on the fly
+        offsets = torch.zeros(n_exp + 1, dtype=torch.int32, device=x.device)
+        offsets[1:] = hist.cumsum(0)
+        xs = x[tok_sorted].to(dtype)  # [T*k, d] rows grouped by expert
+        g, u = moe_grouped(xs, gate, offsets), moe_grouped(xs, up, offsets)  # [T*k, F]
+        mid = swiglu_mid(g, u, clamp) * weights.reshape(-1)[order, None]
+        out = moe_grouped(mid.to(dtype), down, offsets)  # [T*k, d]
+        return torch.zeros(T, x.shape[1], device=x.device).index_add_(0, tok_sorted, out.float())
+    counts = hist.tolist()  # host sync: prefill only
     xs = x.to(dtype)
     y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
@@ -98,9 +120,20 @@ def routed_prefill(
         tok = tok_sorted[start : start + n]
         start += n
         xe = xs[tok]  # [n, d]
-        g = xe @ decode_rows(gate.data[e], gate.qtype, gate.cols).to(dtype).T  # [n, F]
-        u = xe @ decode_rows(up.data[e], up.qtype, up.cols).to(dtype).T
+        g = xe @ _expert(gate, e).to(dtype).T  # [n, F]
+        u = xe @ _expert(up, e).to(dtype).T
         mid = swiglu_mid(g.float(), u.float(), clamp) * weights.reshape(-1)[slots, None]
-        out = mid.to(dtype) @ decode_rows(down.data[e], down.qtype, down.cols).to(dtype).T  # [n, d]
+        out = mid.to(dtype) @ _expert(down, e).to(dtype).T  # [n, d]
         y.index_add_(0, tok, out.float())
     return y
+
+
+def _expert(w, e: int) -> torch.Tensor:
+    """Expert e of a stack, float32 [rows, cols] (Packed blocks or a ds4.kernels PackedWeight)."""
+    if isinstance(w, Packed):
+        return decode_rows(w.data[e], w.qtype, w.cols)
+    from ds4.kernels.packing import PackedWeight, unpack
+
+    n = w.shape[1]
+    part = {key: v[e * n : (e + 1) * n] for key, v in w.data.items()}
+    return unpack(PackedWeight(w.qtype, tuple(w.shape[1:]), part))

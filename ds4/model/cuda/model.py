@@ -225,6 +225,8 @@ def _tensors_of(obj) -> list:
             out.append(v.data)
         elif isinstance(v, QLinear):
             out += [v.dense, *v.packed.data.values()]
+        elif isinstance(getattr(v, "data", None), dict):  # ds4.kernels PackedWeight
+            out += list(v.data.values())
         elif hasattr(v, "__dict__"):
             out += _tensors_of(v)
     return out

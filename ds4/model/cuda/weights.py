@@ -104,8 +104,21 @@ class WeightStore:
             return QLinear(out.contiguous(), pack(raw, qtype, shape))
         return out.contiguous()
 
-    def packed(self, name: str) -> Packed:
+    def packed(self, name: str):
+        """Routed-expert stack: a ds4.kernels PackedWeight when the fused MoE kernels exist, else Packed."""
         qtype, raw = self.source(name)
         E, rows, cols = self.shapes[name]
+        if self.kernels and _has_moe_kernels():
+            from ds4.kernels.packing import pack
+
+            return pack(raw.to(self.device).reshape(-1), qtype, (E, rows, cols))
         data = raw.to(self.device).reshape(E, rows, row_nbytes(qtype, cols))
         return Packed(qtype, data.contiguous(), rows, cols)
+
+
+def _has_moe_kernels() -> bool:
+    try:
+        import ds4.kernels.moe  # noqa: F401
+    except ImportError:
+        return False
+    return True
