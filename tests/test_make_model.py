@@ -372,6 +372,12 @@ def test_cli(tmp_path, capsys):
     assert make_model.parse_size("4G") == 4 << 30 and make_model.parse_size("1.5MiB") == 3 << 19
 
 
+def _fake_gguf(version: int) -> bytes:
+    """Just enough of a file for the cache check: the version key as the writer encodes it."""
+    key = b"general.ds4_synthetic_version"
+    return b"GGUF" + struct.pack("<Q", len(key)) + key + struct.pack("<II", VT.UINT32, version)
+
+
 def test_ensure_tiny_model_builds_once_atomically(tmp_path, monkeypatch):
     import platformdirs
 
@@ -380,16 +386,21 @@ def test_ensure_tiny_model_builds_once_atomically(tmp_path, monkeypatch):
 
     def fake_write_model(path, cfg, quant, *, seed, **kw):
         calls.append((cfg.preset_name, quant, seed))
-        Path(path).write_bytes(b"GGUF")
-        if len(calls) == 2:
+        Path(path).write_bytes(_fake_gguf(synthetic.GENERATOR_VERSION))
+        if quant == "q4":
             raise OSError("disk full")
         return make_model.WriteStats(Path(path), 4, 4, 4, 0.0, 0, True)
 
     monkeypatch.setattr(make_model, "write_model", fake_write_model)
     p = make_model.ensure_tiny_model()
     assert p == tmp_path / "ds4" / f"tiny-{config.TINY_MODEL_QUANT}-s{config.TINY_MODEL_SEED}.gguf"
-    assert p.read_bytes() == b"GGUF" and make_model.ensure_tiny_model() == p
+    assert make_model.synthetic_version(p) == synthetic.GENERATOR_VERSION
+    assert make_model.ensure_tiny_model() == p
     assert calls == [("tiny", config.TINY_MODEL_QUANT, config.TINY_MODEL_SEED)]
+    # A cache written by an older generator is rebuilt.
+    p.write_bytes(_fake_gguf(synthetic.GENERATOR_VERSION - 1))
+    assert make_model.ensure_tiny_model() == p and len(calls) == 2
+    assert make_model.synthetic_version(p) == synthetic.GENERATOR_VERSION
     with pytest.raises(OSError, match="disk full"):
         make_model.ensure_tiny_model("q4", 3)  # a failed build leaves neither file nor temp behind
     assert sorted(x.name for x in (tmp_path / "ds4").iterdir()) == [p.name]

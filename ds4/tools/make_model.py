@@ -250,10 +250,30 @@ def ensure_tiny_model(quant: str = config.TINY_MODEL_QUANT, seed: int = config.T
     if quant not in QUANT_MIXES:
         raise ValueError(f"unknown quant mix {quant!r}; expected one of {', '.join(QUANT_MIXES)}")
     path = tiny_model_path(quant, seed)
-    if not path.exists():
+    if not path.exists() or synthetic_version(path) != synthetic.GENERATOR_VERSION:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_model_atomic(path, config.TINY, quant, seed=seed)
     return path
+
+
+_VERSION_KEY = b"general.ds4_synthetic_version"
+
+
+def synthetic_version(path: Path) -> int | None:
+    """The generator version a cached synthetic file was written with (None if absent or unreadable).
+
+    The key sits in the first few hundred bytes, so this reads only the head of the file.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    at = head.find(_VERSION_KEY)
+    if at < 0 or at + len(_VERSION_KEY) + 8 > len(head):
+        return None
+    vtype, value = struct.unpack_from("<II", head, at + len(_VERSION_KEY))
+    return value if vtype == gguf.GGUFValueType.UINT32 else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from ds4.quant.synth import random_blocks, to_bytes
 from ds4.quant.types import GGMLType, row_nbytes, tensor_nbytes
 
 CHUNK_ELEMS = 1 << 24  # part of the determinism contract: changing it changes every large tensor
-GENERATOR_VERSION = 1  # bump when the recipe or the chunking changes (written as general.* metadata)
+GENERATOR_VERSION = 2  # bump when the bytes change (recipe, chunking, block synthesis): stale caches rebuild
 
 
 # ---------------------------------------------------------------------------------------------
