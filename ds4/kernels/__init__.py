@@ -1,0 +1,54 @@
+"""Triton kernels of the CUDA fast path, one module per family, each with a plain-torch twin in ref.py.
+
+Quantized-weight ops (packing, matvec, moe, matmul): weights are repacked once by ``packing.pack`` and stay
+quantized on the GPU; every op dispatches to Triton on CUDA tensors (or under TRITON_INTERPRET=1) and to its
+ref twin on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _fix_triton_interpreter() -> None:
+    """Two fixes to Triton 3.6's interpreter (tests only; no effect on compiled kernels).
+
+    1. It stores scalars as 1-element arrays and converts them with ``int(array)``, which numpy >= 2.3 rejects
+       for ndim > 0, so every ``for i in range(n)`` with a runtime ``n`` fails: convert the single element.
+    2. ``tl.dot`` on bf16 operands multiplies their raw uint16 storage: widen bf16 to f32 first (exact), which
+       is what the tensor cores compute (exact products, f32 accumulation).
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - triton missing: the CPU path never needs it
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_ds4_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._ds4_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+    import numpy as np
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_triton_interpreter()

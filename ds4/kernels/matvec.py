@@ -1,0 +1,273 @@
+"""Fused dequant x matvec for decode (B = 1..64 activation rows) on packed weights (ds4.kernels.packing).
+
+out[b, n] = sum_k x[b, k] * W[n, k], f32 accumulation, W dequantized tile by tile in registers (never in
+memory). Two inner products, chosen by batch size:
+  * B <= 4: CUDA-core FMAs on f32 (x upcast): exact f32 math, right when weight bytes bound the time;
+  * B > 4: tensor cores (tl.dot; x bf16 -> bf16 x bf16, x f32 -> tf32x3 which is f32-accurate), so that the
+    multiply cost does not grow with B.
+Split-K (partial sums in a [S, B, N] buffer, then a sum over S) keeps >= ~1000 programs in flight for short N.
+
+The jit helper ``dot_rows`` is shared with moe.py and matmul.py: it adds x[rows] @ W[rows]^T for one tile of
+weight rows over a range of k-tiles, for every supported qtype. Element order inside a ggml block is not k
+order for Q2_K / Q4_K: the helper dequantizes in storage order and gathers the matching x columns instead.
+
+Legend: B activation rows, N output rows, K row length, BB/BN rows per program, TK elements per k-tile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4.quant.types import GGMLType
+
+from . import ref
+from .packing import PLAIN_DTYPES, PackedWeight, iq2xxs_grid_i64
+
+TARGET_PROGRAMS = 1024  # ~8 per SM on an H200 (132 SMs): enough loads in flight to reach peak bandwidth
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Run the Triton kernels for tensors on CUDA, or anywhere under TRITON_INTERPRET=1 (tests)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared jit helpers
+
+
+@triton.jit
+def _acc_tile(acc, w, x_ptr, xrow, xmask, xcol, USE_DOT: tl.constexpr, X16: tl.constexpr):
+    """acc[BB, BN] += x[xrow, xcol] @ w^T with w [BN, TK] f32 already dequantized."""
+    x = tl.load(x_ptr + xrow[:, None] + xcol[None, :], mask=xmask[:, None], other=0.0)  # [BB, TK]
+    if USE_DOT:
+        if X16:
+            acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+    else:
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def dot_rows(
+    acc,
+    w0,
+    w1,
+    w2,
+    w3,
+    wrow,
+    x_ptr,
+    xrow,
+    xmask,
+    kt_lo,
+    kt_hi,
+    K,
+    QT: tl.constexpr,
+    BN: tl.constexpr,
+    TK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    X16: tl.constexpr,
+):
+    """acc[BB, BN] += x[xrow, k] * W[wrow, k] summed over k-tiles [kt_lo, kt_hi) of TK elements.
+
+    w0..w3: the packed arrays (plain: w; Q8_0: qs, d; Q2_K/Q4_K: qs, sc, dm; IQ2_XXS: qs, sg, d, grid table).
+    wrow [BN] int64 weight rows (always valid: callers clamp), xrow [BB] int64 element offsets of x rows.
+    """
+    nb = K // 256  # super-blocks per row (K-quants)
+    for kt in range(kt_lo, kt_hi):
+        k0 = kt * TK
+        if QT == 8:  # Q8_0: x = d * q, 32 per block; TK elements = TK/32 blocks
+            blk = tl.arange(0, TK // 32)
+            e = tl.arange(0, 32)
+            q = tl.load(w0 + wrow[:, None, None] * K + k0 + blk[None, :, None] * 32 + e[None, None, :])
+            d = tl.load(w1 + wrow[:, None] * (K // 32) + k0 // 32 + blk[None, :]).to(tl.float32)
+            w = tl.reshape(q.to(tl.float32) * d[:, :, None], [BN, TK])
+            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + tl.arange(0, TK), USE_DOT, X16)
+        elif QT == 10:  # Q2_K: byte j of half h, shift 2t -> element 128h + 32t + j; scale 8h + 2t + j//16
+            g = tl.arange(0, 4)  # 16-byte group: half g//2, byte-group g%2
+            i = tl.arange(0, 16)
+            q8 = tl.load(
+                w0 + wrow[:, None, None] * (nb * 64) + kt * 64 + g[None, :, None] * 16 + i[None, None, :]
+            )
+            dmin = tl.load(w2 + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)
+            d = tl.load(w2 + wrow * (nb * 2) + kt * 2).to(tl.float32)
+            for t in tl.static_range(4):
+                sc = tl.load(w1 + wrow[:, None] * (nb * 16) + kt * 16 + (g // 2)[None, :] * 8 + 2 * t + g % 2)
+                dl = d[:, None] * (sc & 15).to(tl.float32)  # [BN, 4]
+                ml = dmin[:, None] * (sc >> 4).to(tl.float32)
+                q = ((q8 >> (2 * t)) & 3).to(tl.float32)  # [BN, 4, 16]
+                w = tl.reshape(dl[:, :, None] * q - ml[:, :, None], [BN, 64])
+                xcol = k0 + (g // 2)[:, None] * 128 + 32 * t + (g % 2)[:, None] * 16 + i[None, :]
+                acc = _acc_tile(acc, w, x_ptr, xrow, xmask, tl.reshape(xcol, [64]), USE_DOT, X16)
+        elif QT == 12:  # Q4_K: chunk c byte j: low nibble -> 64c + j (sub-block 2c), high -> 64c + 32 + j
+            c = tl.arange(0, 4)
+            j = tl.arange(0, 32)
+            q8 = tl.load(
+                w0 + wrow[:, None, None] * (nb * 128) + kt * 128 + c[None, :, None] * 32 + j[None, None, :]
+            )
+            d = tl.load(w2 + wrow * (nb * 2) + kt * 2).to(tl.float32)
+            dmin = tl.load(w2 + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)
+            for h in tl.static_range(2):
+                sc = tl.load(w1 + wrow[:, None] * (nb * 16) + kt * 16 + 2 * c[None, :] + h)  # [BN, 4]
+                mn = tl.load(w1 + wrow[:, None] * (nb * 16) + kt * 16 + 8 + 2 * c[None, :] + h)
+                dl = d[:, None] * sc.to(tl.float32)
+                ml = dmin[:, None] * mn.to(tl.float32)
+                q = ((q8 >> (4 * h)) & 15).to(tl.float32)  # [BN, 4, 32]
+                w = tl.reshape(dl[:, :, None] * q - ml[:, :, None], [BN, 128])
+                xcol = k0 + c[:, None] * 64 + 32 * h + j[None, :]
+                acc = _acc_tile(acc, w, x_ptr, xrow, xmask, tl.reshape(xcol, [128]), USE_DOT, X16)
+        elif QT == 16:  # IQ2_XXS: group g of 8 elements (32 per block), k order
+            g = tl.arange(0, 32)
+            j = tl.arange(0, 8)
+            idx = tl.load(w0 + wrow[:, None] * (nb * 32) + kt * 32 + g[None, :])  # [BN, 32] grid indices
+            a1 = tl.load(w1 + wrow[:, None] * (nb * 8) + kt * 8 + (g // 4)[None, :])  # [BN, 32] int32
+            d = tl.load(w2 + wrow * nb + kt).to(tl.float32)
+            db = d[:, None] * (0.5 + ((a1 >> 28) & 15).to(tl.float32)) * 0.25
+            s = (a1 >> (7 * (g % 4))[None, :]) & 127  # sign index; KSIGNS[s] = s | parity(s) << 7
+            p = s ^ (s >> 4)
+            p = p ^ (p >> 2)
+            p = p ^ (p >> 1)
+            signs = s | ((p & 1) << 7)
+            grid = tl.load(w3 + idx.to(tl.int32))  # [BN, 32] int64: 8 magnitude bytes
+            mag = ((grid[:, :, None] >> (8 * j)[None, None, :]) & 255).to(tl.float32)  # [BN, 32, 8]
+            neg = ((signs[:, :, None] >> j[None, None, :]) & 1) != 0
+            w = tl.reshape(db[:, :, None] * tl.where(neg, -mag, mag), [BN, 256])
+            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + tl.arange(0, 256), USE_DOT, X16)
+        else:  # F32 / F16 / BF16
+            col = tl.arange(0, TK)
+            w = tl.load(w0 + wrow[:, None] * K + k0 + col[None, :]).to(tl.float32)
+            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + col, USE_DOT, X16)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host-side helpers shared by the op modules
+
+
+def weight_args(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four pointer arguments of dot_rows for w (unused slots repeat the first array)."""
+    d = w.data
+    if w.qtype in PLAIN_DTYPES:
+        return d["w"], d["w"], d["w"], d["w"]
+    if w.qtype == GGMLType.Q8_0:
+        return d["qs"], d["d"], d["qs"], d["qs"]
+    if w.qtype in (GGMLType.Q2_K, GGMLType.Q4_K):
+        return d["qs"], d["sc"], d["dm"], d["qs"]
+    return d["qs"], d["sg"], d["d"], iq2xxs_grid_i64(d["qs"].device)
+
+
+def tile_k(w: PackedWeight) -> int:
+    """Elements per k-tile: one super-block for K-quants, else the largest power of two <= 256 dividing K."""
+    if w.qtype in (GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS):
+        return 256
+    for tk in (256, 128, 64, 32, 16):
+        if w.K % tk == 0:
+            return tk
+    raise ValueError(f"{w.qtype.name} kernels need a row length that is a multiple of 16, got K={w.K}")
+
+
+def prep_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+    """Validate activations [rows, k]; returns a contiguous f32 or bf16 tensor."""
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"{what}: x must be [rows, {k}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    return x.contiguous()
+
+
+def check_weight(w: PackedWeight, ndim: int, what: str, device: torch.device) -> None:
+    if len(w.shape) != ndim:
+        raise ValueError(f"{what}: weight must have {ndim} dims, got shape {w.shape}")
+    if w.device != device:
+        raise ValueError(f"{what}: weight is on {w.device} but activations are on {device}")
+
+
+def _qtype_code(w: PackedWeight) -> int:
+    return int(w.qtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# qmatvec
+
+
+@triton.jit
+def _qmv_kernel(
+    x_ptr,
+    w0,
+    w1,
+    w2,
+    w3,
+    out_ptr,
+    B,
+    N,
+    K,
+    stride_x,
+    kt_per_split,
+    QT: tl.constexpr,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    TK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    X16: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = tl.minimum(n, N - 1).to(tl.int64)
+    b = pid_b * BB + tl.arange(0, BB)
+    bmask = b < B
+    kt_lo = pid_s * kt_per_split
+    kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
+    acc = tl.zeros([BB, BN], dtype=tl.float32)
+    acc = dot_rows(
+        acc, w0, w1, w2, w3, wrow, x_ptr, b.to(tl.int64) * stride_x, bmask, kt_lo, kt_hi, K, QT, BN, TK,
+        USE_DOT, X16,
+    )  # fmt: skip
+    out = out_ptr + pid_s.to(tl.int64) * B * N + b[:, None].to(tl.int64) * N + n[None, :]
+    tl.store(out, acc, mask=bmask[:, None] & (n < N)[None, :])
+
+
+def decode_tiles(b: int) -> tuple[int, int, bool]:
+    """(BB, BN, use_dot) for a decode-sized batch b."""
+    if b <= 4:
+        bb = 1 if b <= 1 else (2 if b == 2 else 4)
+        return bb, 32 // bb, False
+    return (16 if b <= 16 else 32 if b <= 32 else 64), 32, True
+
+
+def split_k(n_programs: int, n_kt: int) -> tuple[int, int]:
+    """(k-tiles per split, splits) so that n_programs * splits reaches TARGET_PROGRAMS when K allows."""
+    want = max(1, min(n_kt, -(-TARGET_PROGRAMS // max(1, n_programs))))
+    per = -(-n_kt // want)
+    return per, -(-n_kt // per)
+
+
+def qmatvec(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [B, K] f32|bf16 @ W[N, K]^T -> [B, N] f32 (decode; B small). Triton on CUDA, else ref twin."""
+    check_weight(w, 2, "qmatvec", x.device)
+    x = prep_x(x, w.K, "qmatvec")
+    if not use_triton(x):
+        return ref.qmatvec(x, w)
+    B, N, K = x.shape[0], w.N, w.K
+    if B == 0 or N == 0:
+        return torch.zeros(B, N, dtype=torch.float32, device=x.device)
+    tk = tile_k(w)
+    bb, bn, use_dot = decode_tiles(B)
+    grid_nb = triton.cdiv(N, bn) * triton.cdiv(B, bb)
+    per, splits = split_k(grid_nb, K // tk)
+    out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, bn), triton.cdiv(B, bb), splits)
+    _qmv_kernel[grid](
+        x, *weight_args(w), out, B, N, K, x.stride(0), per,
+        QT=_qtype_code(w), BB=bb, BN=bn, TK=tk, USE_DOT=use_dot, X16=x.dtype == torch.bfloat16, num_warps=4,
+    )  # fmt: skip
+    return out[0] if splits == 1 else out.sum(0)
+
+
+__all__ = ["dot_rows", "qmatvec", "use_triton"]
