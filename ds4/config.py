@@ -169,3 +169,7 @@ TOOL_MEMORY_MAX_BYTES = 512 << 20  # total id + block bytes kept
 # Server
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+SERVER_DEFAULT_MAX_TOKENS = 393216  # -n/--tokens: max_tokens when the client omits it (clamped to ctx)
+SERVER_MAX_BODY_BYTES = 64 << 20  # larger request bodies get 413
+SERVER_MAX_TOKENS_LIMIT = 393216  # a client max_tokens above this is clamped
+SERVER_KEEPALIVE_S = 5.0  # SSE ": keepalive" comment interval (wall clock, prefill and decode)

@@ -1,0 +1,157 @@
+"""`ds4-server`: flags (product.md §4.1), model load, worker thread, uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+from collections.abc import Sequence
+
+from ds4 import config
+
+EPILOG = f"""\
+Thinking is on (effort high) unless the request disables it (thinking: {{type: disabled}}, think: false,
+reasoning_effort: none, or model deepseek-chat); in thinking mode the client's sampling knobs are ignored
+and temperature {config.DEFAULT_TEMPERATURE}, top_p {config.DEFAULT_TOP_P}, min_p {config.DEFAULT_MIN_P}
+are used.
+Disk cache (--kv-disk-dir): a cold prompt of min..cold-max tokens is saved at its system-prompt anchor,
+long sessions every continued-interval tokens (aligned), and the live session when another prompt evicts it.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ds4-server",
+        description="OpenAI / Anthropic / Responses compatible server for DeepSeek V4 Flash",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = p.add_argument
+    add("-m", "--model", help=f"GGUF model (default ./{config.DEFAULT_MODEL_PATH}; 'tiny' = tiny test model)")
+    add("-c", "--ctx", type=int, default=config.DEFAULT_CTX, help="context size (default %(default)s)")
+    add(
+        "-n",
+        "--tokens",
+        type=int,
+        default=config.SERVER_DEFAULT_MAX_TOKENS,
+        help="default max_tokens when the client omits it (default %(default)s)",
+    )
+    add("--max-tokens-limit", type=int, default=None, help="clamp any client max_tokens to this")
+    add(
+        "--max-body-mb",
+        type=int,
+        default=config.SERVER_MAX_BODY_BYTES >> 20,
+        help="largest request body in MiB (default %(default)s)",
+    )
+    add("-t", "--threads", type=int, default=None, help="CPU threads")
+    add("--backend", default="cpu", help="backend (default %(default)s)")
+    add("--cpu", dest="backend", action="store_const", const="cpu", help="same as --backend cpu")
+    add("--cuda", dest="backend", action="store_const", const="cuda", help="same as --backend cuda")
+    add("--host", default=config.DEFAULT_HOST, help="IPv4 address to listen on (default %(default)s)")
+    add("--port", type=int, default=config.DEFAULT_PORT, help="port (default %(default)s)")
+    add("--cors", action="store_true", help="send Access-Control-Allow-* headers on every response")
+    add("--api-key", default=None, help="require Authorization: Bearer KEY or x-api-key: KEY")
+    add("--trace", default=None, metavar="FILE", help="append a human-readable trace of every request")
+    add("--kv-disk-dir", default=None, help="enable the disk KV cache in DIR")
+    add("--kv-disk-space-mb", type=int, default=config.KV_DISK_SPACE_MB)
+    add("--kv-cache-min-tokens", type=int, default=config.KV_CACHE_MIN_TOKENS)
+    add("--kv-cache-cold-max-tokens", type=int, default=config.KV_CACHE_COLD_MAX_TOKENS)
+    add("--kv-cache-continued-interval-tokens", type=int, default=config.KV_CACHE_CONTINUED_INTERVAL_TOKENS)
+    add("--kv-cache-boundary-trim-tokens", type=int, default=config.KV_CACHE_BOUNDARY_TRIM_TOKENS)
+    add("--kv-cache-boundary-align-tokens", type=int, default=config.KV_CACHE_BOUNDARY_ALIGN_TOKENS)
+    add("--kv-cache-reject-different-quant", action="store_true")
+    add("--tool-memory-max-ids", type=int, default=config.TOOL_MEMORY_MAX_IDS)
+    add("--disable-exact-dsml-tool-replay", action="store_true")
+    return p
+
+
+def _host(text: str) -> str:
+    host = "127.0.0.1" if text == "localhost" else text
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise SystemExit(f"ds4-server: --host must be an IPv4 address, got {text!r}") from None
+    return host
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%m%d %H:%M:%S"
+    )
+    host = _host(args.host)
+    if args.ctx < 2 or args.tokens < 0 or not 0 < args.port < 65536:
+        print("ds4-server: --ctx must be >= 2, --tokens >= 0 and --port in 1..65535", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from ds4.cli import resolve_model_path
+    from ds4.dsml import ToolMemory
+    from ds4.engine import Engine
+    from ds4.errors import Ds4Error
+    from ds4.server.app import ServerOptions, create_app
+    from ds4.server.worker import Worker, WorkerOptions
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        engine = Engine.open(resolve_model_path(args.model), backend=args.backend)
+    except (Ds4Error, OSError, ValueError) as err:
+        print(f"ds4-server: {err}", file=sys.stderr)
+        return 1
+    kv = None
+    if args.kv_disk_dir:
+        from ds4.kvstore import KVStore
+
+        try:
+            kv = KVStore(
+                args.kv_disk_dir,
+                space_mb=args.kv_disk_space_mb,
+                min_tokens=args.kv_cache_min_tokens,
+                cold_max_tokens=args.kv_cache_cold_max_tokens,
+                continued_interval_tokens=args.kv_cache_continued_interval_tokens,
+                boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
+                boundary_align_tokens=args.kv_cache_boundary_align_tokens,
+                ctx=args.ctx,
+                reject_different_quant=args.kv_cache_reject_different_quant,
+            )
+        except (Ds4Error, OSError, ValueError) as err:
+            print(f"ds4-server: disk cache: {err}", file=sys.stderr)
+            return 2
+    trace = open(args.trace, "a", encoding="utf-8", buffering=1) if args.trace else None  # noqa: SIM115
+    exact = not args.disable_exact_dsml_tool_replay
+    worker = Worker(
+        engine.tokenizer,
+        engine.session(args.ctx),
+        options=WorkerOptions(ctx=args.ctx, default_max_tokens=args.tokens, exact_replay=exact),
+        kvstore=kv,
+        tool_memory=ToolMemory(max_ids=args.tool_memory_max_ids),
+        trace=trace,
+    )
+    worker.start()
+    opt = ServerOptions(
+        ctx=args.ctx,
+        default_max_tokens=args.tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        api_key=args.api_key,
+        cors=args.cors,
+        max_body_bytes=args.max_body_mb << 20,
+        exact_replay=exact,
+    )
+    try:
+        uvicorn.run(create_app(worker, opt), host=host, port=args.port, log_level="warning")
+    finally:
+        worker.stop()
+        if kv is not None and len(worker.session.tokens) >= args.kv_cache_min_tokens:
+            worker.store_shutdown()
+        engine.close()
+        if trace is not None:
+            trace.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,455 @@
+"""Row 4: the inference worker, the ONLY server module that touches the engine (architecture.md principle 2).
+
+One thread owns the session (KV state + logits). HTTP handlers render and tokenize on their own threads,
+then `submit()` a Job; the worker runs jobs FIFO: cache decision (§5.2: live token prefix, live text prefix,
+disk checkpoint, cold), chunked prefill that checks the job's cancel flag between chunks and sends
+keepalives, the decode loop (sampling with greedy-for-structure, stop strings, max tokens, cancel checked
+every token, the DSML streaming projection), exact-DSML tool memory, and the disk-cache stores (cold,
+continued, evict). Events go back through the job's `emit` callback (thread-safe on the handler side).
+
+`TokenSource` is the seam where a test double replaces the model's sampler: the worker asks it for the
+next token id and evaluates that token in the session like any sampled one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any, Protocol
+
+from ds4.config import (
+    DEFAULT_CTX,
+    KV_CACHE_MIN_TOKENS,
+    PREFILL_CHUNK,
+    SERVER_DEFAULT_MAX_TOKENS,
+    SERVER_KEEPALIVE_S,
+)
+from ds4.dsml import DsmlStream, DsmlTracker, ParsedMessage, ToolMemory
+from ds4.server.protocol import Done, Event, Failed, Keepalive, Request, Started, TextDelta, Usage
+from ds4.tokenizer import Tokenizer
+
+log = logging.getLogger("ds4.server")
+
+
+class SessionLike(Protocol):
+    """What the worker needs from ds4.engine.Session (tests plug in a fake with the same counters)."""
+
+    ctx: int
+    tokens: list[int]
+    stats: Any
+
+    def sync(self, tokens: Sequence[int], progress: Any = None) -> int: ...
+    def eval(self, token: int) -> Any: ...
+    def snapshot(self) -> bytes: ...
+
+
+class TokenSource(Protocol):
+    def start(self, job: Job) -> None: ...
+    def next_token(self, job: Job, session: SessionLike, greedy: bool) -> int: ...
+
+
+class SamplerSource:
+    """The real source: ds4.engine.sampling over the session's next-token logits."""
+
+    def start(self, job: Job) -> None:
+        from ds4.engine.sampling import SamplingParams
+
+        s = job.request.sampling
+        job.params = SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
+        job.rng = job.params.make_rng()
+
+    def next_token(self, job: Job, session: SessionLike, greedy: bool) -> int:
+        from dataclasses import replace
+
+        from ds4.engine.sampling import sample
+
+        params = replace(job.params, temperature=0.0) if greedy else job.params
+        return sample(session.logits, params, job.rng)  # type: ignore[attr-defined]
+
+
+@dataclass
+class Job:
+    request: Request
+    emit: Callable[[Event], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False  # set by the worker when it stopped early because of `cancel`
+    params: Any = None
+    rng: Any = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass
+class WorkerOptions:
+    ctx: int = DEFAULT_CTX
+    default_max_tokens: int = SERVER_DEFAULT_MAX_TOKENS
+    prefill_chunk: int = PREFILL_CHUNK
+    keepalive_s: float = SERVER_KEEPALIVE_S
+    exact_replay: bool = True
+
+
+@dataclass
+class Metrics:
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    prefill_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    kv_disk_hits_total: int = 0
+    kv_disk_misses_total: int = 0
+    cancelled_total: int = 0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+
+
+class StopScanner:
+    """Stop strings (§4.3): text passes through except the last maxlen-1 chars, which could begin a match."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buf = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        self.buf += text
+        pos = min((p for p in (self.buf.find(s) for s in self.stops) if p >= 0), default=-1)
+        if pos >= 0:
+            self.hit = True
+            out, self.buf = self.buf[:pos], ""
+            return out
+        cut = max(0, len(self.buf) - self.hold)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+class Worker:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        session: SessionLike,
+        *,
+        source: TokenSource | None = None,
+        options: WorkerOptions | None = None,
+        kvstore: Any = None,
+        tool_memory: ToolMemory | None = None,
+        trace: IO[str] | None = None,
+    ) -> None:
+        self.tok = tokenizer
+        self.session = session
+        self.source: TokenSource = source or SamplerSource()
+        self.opt = options or WorkerOptions(ctx=session.ctx)
+        self.kv = kvstore
+        self.memory = tool_memory if tool_memory is not None else ToolMemory()
+        self.memory_lock = threading.Lock()  # handlers render with the memory while the worker updates it
+        self.trace = trace
+        self.metrics = Metrics()
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._last_stored = 0  # continued-store schedule (§5.5)
+        self._requests_on_live = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        if self._stopping:
+            raise RuntimeError("server shutting down")
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                break
+            try:
+                self._serve(job)
+            except _Cancelled:
+                job.cancelled = True
+                self.metrics.cancelled_total += 1
+                job.emit(Failed("client disconnected", status=499))
+            except Exception as err:  # one bad job never takes the worker down
+                log.exception("request failed in the worker")
+                job.emit(Failed(f"generation failed: {err}"))
+            finally:
+                job.finished.set()
+
+    # ---- one job -----------------------------------------------------------------------------
+
+    def _serve(self, job: Job) -> None:
+        req = job.request
+        self.metrics.requests_total += 1
+        if job.cancel.is_set():
+            raise _Cancelled
+        tokens, source = self._cache_decision(req)
+        t0 = time.perf_counter()
+        before = self.session.stats.prefill_tokens
+        reused = self._prefill(job, tokens)
+        prefilled = self.session.stats.prefill_tokens - before
+        dt = time.perf_counter() - t0
+        if prefilled and dt > 0:
+            self.metrics.prefill_tps = prefilled / dt
+        self.metrics.prompt_tokens_total += len(tokens)
+        self.metrics.prefill_tokens_total += prefilled
+        job.stats.update(cache_source=source, prefilled=prefilled, cached=reused, prompt=len(tokens))
+        job.emit(Started(len(tokens), reused))
+        done = self._decode(job, tokens, reused)
+        self._requests_on_live += 1
+        self._write_trace(job, done, source)
+        job.emit(done)
+
+    def _cache_decision(self, req: Request) -> tuple[list[int], str]:
+        """The effective prompt tokens (§5.2) and where the reused prefix comes from."""
+        tokens, live = req.prompt_tokens, self.session.tokens
+        if live and tokens[: len(live)] == live:
+            return tokens, "memory-token"
+        if self._checkpoint_prefix(tokens):
+            return tokens, "memory-token"
+        prompt_bytes = req.prompt_text.encode()
+        if live:
+            live_bytes = self.tok.decode_bytes(live)
+            if len(prompt_bytes) > len(live_bytes) and prompt_bytes.startswith(live_bytes):
+                try:
+                    rest = prompt_bytes[len(live_bytes) :].decode()
+                except UnicodeDecodeError:
+                    rest = None  # the live end splits a character: not a usable text prefix
+                if rest is not None:
+                    return list(live) + self.tok.encode_chat(rest), "memory-text"
+            self._last_stored = 0  # live miss: the continued schedule restarts (§5.5)
+            self._store_live_on_miss()
+        if self.kv is not None:
+            hit = self.kv.lookup(prompt_bytes)
+            if hit is not None and self.kv.restore_into(self.session, hit):
+                self.metrics.kv_disk_hits_total += 1
+                self._last_stored = hit.n_tokens
+                if hit.tool_map and self.opt.exact_replay:
+                    with self.memory_lock:
+                        self.memory.load(hit.tool_map)
+                rest = prompt_bytes[hit.text_bytes :].decode("utf-8", "replace")
+                return list(self.session.tokens) + self.tok.encode_chat(rest), "disk-text"
+            self.metrics.kv_disk_misses_total += 1
+        return tokens, "none"
+
+    def _checkpoint_prefix(self, tokens: list[int]) -> int:
+        """Length of the session's post-prompt checkpoint when it is a prefix of `tokens` (else 0).
+
+        ds4.engine.Session rewinds to that checkpoint by itself in sync(); the worker only needs to know
+        so it neither evict-stores nor disk-loads over it."""
+        cp = getattr(self.session, "_checkpoint", None)
+        cp_tokens = getattr(cp, "tokens", None)
+        if cp_tokens and tokens[: len(cp_tokens)] == cp_tokens:
+            return len(cp_tokens)
+        return 0
+
+    def _store_live_on_miss(self) -> None:
+        if self.kv is None or len(self.session.tokens) < KV_CACHE_MIN_TOKENS:
+            return
+        text = self.tok.decode_bytes(self.session.tokens)
+        target = self.kv.evict_target(len(self.session.tokens), self.kv.covered_tokens(text))
+        if target is not None:
+            self._store(3, hits=self._requests_on_live)  # SaveReason.EVICT
+        self._requests_on_live = 0
+
+    def store_shutdown(self) -> None:
+        """Save the live session on a clean exit (§5.5 shutdown), unless a disk file already covers it."""
+        if self.kv is None:
+            return
+        text = self.tok.decode_bytes(self.session.tokens)
+        if self.kv.shutdown_target(len(self.session.tokens), self.kv.covered_tokens(text)) is not None:
+            self._store(4)  # SaveReason.SHUTDOWN
+
+    def _store(self, reason: int, hits: int = 0) -> None:
+        from ds4.kvstore import SaveReason
+
+        text = self.tok.decode_bytes(self.session.tokens)
+        with self.memory_lock:
+            tool_map = (
+                self.memory.entries_in(text.decode("utf-8", "replace")) if self.opt.exact_replay else []
+            )
+        try:
+            self.kv.store(text, self.session.snapshot(), SaveReason(reason), tool_map=tool_map, hits=hits)
+        except Exception:  # a failed store never fails the request
+            log.exception("kv cache store failed")
+        self._last_stored = max(self._last_stored, len(self.session.tokens))
+
+    def _prefill(self, job: Job, tokens: list[int]) -> int:
+        """Sync the session to `tokens` in chunks; returns the reused prefix length."""
+        if len(tokens) >= self.opt.ctx:
+            raise RuntimeError(f"prompt has {len(tokens)} tokens, context is {self.opt.ctx}")
+        live = self.session.tokens
+        if live and tokens[: len(live)] == live:
+            reused = len(live)
+        else:
+            reused = self._checkpoint_prefix(tokens)
+        stops: dict[int, int] = {}
+        if self.kv is not None:
+            from ds4.kvstore import chat_anchor
+
+            anchor = chat_anchor(tokens, self.tok.user_id, self.tok.assistant_id)
+            stops = dict(self.kv.prefill_stops(len(tokens), reused, self._last_stored, anchor))
+        step = max(1, self.opt.prefill_chunk)
+        ends = set(range(reused + step, len(tokens), step)) | {len(tokens)} | set(stops)
+        last_beat = time.monotonic()
+        for end in sorted(e for e in ends if reused < e <= len(tokens)):
+            if job.cancel.is_set():
+                raise _Cancelled
+            self.session.sync(tokens[:end])
+            if end in stops:
+                self._store(int(stops[end]))
+            if time.monotonic() - last_beat >= self.opt.keepalive_s:
+                job.emit(Keepalive())
+                last_beat = time.monotonic()
+        if reused >= len(tokens):
+            self.session.sync(tokens)  # nothing to prefill; makes the checkpoint current
+        return min(reused, len(tokens))
+
+    def _decode(self, job: Job, prompt: list[int], reused: int) -> Done:
+        req, tok, session = job.request, self.tok, self.session
+        raw = req.dialect == "completions"
+        stream = (
+            None if raw else DsmlStream(thinking=req.thinking, id_prefix=req.id_prefix, taken=self._taken)
+        )
+        tracker = DsmlTracker() if req.tools and not raw else None
+        stopper = StopScanner(req.stops)
+        decoder = tok.stream_decoder()
+        limit = req.max_tokens if req.max_tokens is not None else self.opt.default_max_tokens
+        limit = max(0, min(limit, self.opt.ctx - len(prompt)))
+        self.source.start(job)
+        pieces: list[str] = []
+        finish, n, t0 = "length", 0, time.perf_counter()
+        while n < limit:
+            if job.cancel.is_set():
+                job.cancelled = True
+                finish = "error"
+                break
+            token = self.source.next_token(job, session, bool(tracker and tracker.force_greedy))
+            n += 1
+            if token == tok.eos_id:
+                finish = "stop"
+                break
+            if len(session.tokens) < self.opt.ctx:
+                session.eval(token)
+            piece = decoder.push(token)
+            if tracker is not None:
+                tracker.update(piece)
+            text = stopper.feed(piece)
+            pieces.append(text)
+            self._forward_text(job, stream, text)
+            if stopper.hit:
+                finish = "stop"
+                break
+            if stream is not None and req.tools and stream.block_ended:
+                finish = "tool_calls"
+                break
+            if len(session.tokens) >= self.opt.ctx:
+                break
+            self._maybe_continued_store(stream)
+        tail = "" if stopper.hit else stopper.feed(decoder.flush())
+        tail += "" if stopper.hit else stopper.flush()
+        pieces.append(tail)
+        self._forward_text(job, stream, tail)
+        if stream is not None:
+            for ev in stream.finish():
+                job.emit(ev)
+            message = stream.message
+        else:
+            message = ParsedMessage(reasoning=None, content="".join(pieces))
+        if message.calls:
+            finish = "tool_calls"
+            if message.raw_dsml and self.opt.exact_replay:
+                with self.memory_lock:
+                    self.memory.remember([c.id for c in message.calls], message.raw_dsml)
+        dt = time.perf_counter() - t0
+        if n and dt > 0:
+            self.metrics.decode_tps = n / dt
+        self.metrics.generated_tokens_total += n
+        job.stats["generated"] = n
+        usage = Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=reused)
+        return Done(finish=finish, message=message, usage=usage, raw_text="".join(pieces))  # type: ignore[arg-type]
+
+    def _taken(self, tool_id: str) -> bool:
+        with self.memory_lock:
+            return tool_id in self.memory
+
+    def _forward_text(self, job: Job, stream: DsmlStream | None, text: str) -> None:
+        if not text:
+            return
+        if stream is None:
+            job.emit(TextDelta(text))
+            return
+        for ev in stream.feed(text):
+            job.emit(ev)
+
+    def _maybe_continued_store(self, stream: DsmlStream | None) -> None:
+        if self.kv is None:
+            return
+        in_block = bool(stream is not None and stream.in_block)
+        if self.kv.continued_due(len(self.session.tokens), self._last_stored, in_tool_block=in_block):
+            self._store(2)  # SaveReason.CONTINUED
+
+    # ---- trace -------------------------------------------------------------------------------
+
+    def _write_trace(self, job: Job, done: Done, source: str) -> None:
+        if self.trace is None:
+            return
+        req, m = job.request, done.message
+        n = self.metrics.requests_total
+        lines = [
+            f"===== request {n} {time.strftime('%Y-%m-%d %H:%M:%S')} =====",
+            f"kind={req.dialect} model={req.model} stream={req.stream} tools={len(req.tools)} "
+            f"think_mode={req.mode} prompt_tokens={done.usage.prompt_tokens} "
+            f"cached_tokens={done.usage.cached_tokens} max_tokens={req.max_tokens}",
+            "--- cache decision ---",
+            f"cache_source={source} prefilled={job.stats.get('prefilled')}",
+            "--- raw request json ---",
+            req.raw_json.decode("utf-8", "replace"),
+            "--- rendered prompt ---",
+            req.prompt_text,
+            "--- generated text ---",
+            done.raw_text,
+            "--- parsed message ---",
+            f"finish={done.finish} generated_tokens={done.usage.completion_tokens}",
+            f"reasoning={m.reasoning!r}",
+            f"content={m.content!r}",
+            *(
+                f"tool_call[{i}] id={c.id} name={c.name} arguments={c.arguments}"
+                for i, c in enumerate(m.calls)
+            ),
+            f"===== end request {n} =====",
+            "",
+        ]
+        try:
+            self.trace.write("\n".join(lines))
+            self.trace.flush()
+        except OSError:
+            log.warning("could not write the trace file")
+
+
+__all__ = ["Job", "SamplerSource", "StopScanner", "TokenSource", "Worker", "WorkerOptions"]
