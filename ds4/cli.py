@@ -1,25 +1,39 @@
 """Row 4: the `ds4` command line (product.md §3): one-shot prompts, REPL and the debug tools.
 
-This first version implements `--inspect`; every other mode parses its flags (the full flag set of §3.2)
-and reports "not implemented yet". Each mode is one function in MODES, so later work replaces entries.
+Modes (one function each in MODES): one-shot generation (-p / --prompt-file, or a prompt piped on stdin),
+the interactive REPL (ds4.repl; no prompt and a terminal on stdin, or -i), --inspect, --dump-tokens (vocab
+only), --dump-logprobs, --perplexity-file. The imatrix collection and the Metal developer diagnostics are
+not implemented and say so.
 
-Errors a user can cause print one line `ds4: <message>` on stderr and exit with status 2.
+Errors a user can cause print one line `ds4: <message>` on stderr and exit with status 2. Ctrl+C stops a
+generation at the next token (exit 130 in one-shot mode; back to the prompt in the REPL); a second Ctrl+C
+interrupts at once. Every mode that runs the model holds the single-instance lock (ds4.lock).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from ds4 import config
 from ds4.errors import Ds4Error, UsageError
 
 if TYPE_CHECKING:
+    import torch
+
+    from ds4.engine import Engine, Rng, SamplingParams, Session
+    from ds4.engine.generate import Finish, GenerateParams
     from ds4.gguf import ModelFile
+    from ds4.tokenizer import Tokenizer
 
 # How to get a real model (product.md §6.6), shown when no model file can be found.
 Q2_RELEASE = "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2-imatrix.gguf"
@@ -109,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-p", "--prompt", metavar="TEXT", help="run one prompt and exit")
     g.add_argument("--prompt-file", metavar="FILE", help="run the prompt in FILE and exit")
     g.add_argument(
+        "-i",
+        "--interactive",
+        action="store_true",
+        help="run the interactive chat even when stdin is not a terminal",
+    )
+    g.add_argument(
         "-sys",
         "--system",
         metavar="TEXT",
@@ -134,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--min-p", metavar="F", default=str(config.DEFAULT_MIN_P), help="min-p, 0..1 (default %(default)s)"
     )
+    g.add_argument("--top-k", metavar="N", help="top-k, 0..1024 (default 0 = off; ds4's CLI has no flag)")
     g.add_argument("--seed", metavar="N", help="sampling seed > 0 (default: time-based)")
     for flag, mode in (("think", "high"), ("think-max", "max"), ("nothink", "none")):
         g.add_argument(
@@ -173,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Integers: option dest -> flag; all must be > 0.
 _INT_OPTIONS = {
     "ctx": "--ctx", "tokens": "--tokens", "threads": "--threads", "seed": "--seed",
-    "mtp_draft": "--mtp-draft",
+    "mtp_draft": "--mtp-draft", "top_k": "--top-k",
     "logprobs_top_k": "--logprobs-top-k", "imatrix_max_prompts": "--imatrix-max-prompts",
     "imatrix_max_tokens": "--imatrix-max-tokens",
 }  # fmt: skip
@@ -379,8 +400,359 @@ def _tokenizer_lines(mf: ModelFile) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Shared pieces of the generating modes: engine + lock, prompt, terminal output
+# ---------------------------------------------------------------------------------------------------
+
+GREY, RESET = "\x1b[90m", "\x1b[0m"
+
+
+def default_backend() -> str:
+    from ds4.engine.engine import BACKENDS
+
+    if "cuda" in BACKENDS:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+    return "cpu"
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """-t N (or $DS4_THREADS): torch intra-op threads. Fewer threads than cores avoids oversubscription."""
+    threads = args.threads or _env_threads()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _env_threads() -> int | None:
+    text = os.environ.get("DS4_THREADS", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def open_engine(args: argparse.Namespace, stack: contextlib.ExitStack) -> Engine:
+    """Take the instance lock, then load the model (the lock is released when `stack` closes)."""
+    from ds4.engine import Engine
+    from ds4.lock import InstanceLock
+
+    path = resolve_model_path(args.model)
+    stack.enter_context(InstanceLock())
+    set_threads(args)
+    engine = Engine.open(path, backend=args.backend or default_backend())
+    stack.callback(engine.close)
+    return engine
+
+
+def prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    return read_text_file(args.prompt_file, "--prompt-file")
+
+
+def read_text_file(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what} {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+
+
+def think_mode(requested: str, ctx: int, *, warn: bool = True) -> str:
+    """The effective thinking mode: Think Max needs ctx >= 393216, else normal thinking (product.md §1.3)."""
+    from ds4.chat import THINK_MAX_MIN_CTX, effective_mode
+
+    mode = effective_mode(requested, ctx)
+    if warn and requested == "max" and mode != "max":
+        print(
+            f"ds4: warning: --think-max needs --ctx >= {THINK_MAX_MIN_CTX}; "
+            f"ctx={ctx} uses normal thinking instead",
+            file=sys.stderr,
+        )
+    return mode
+
+
+def build_prompt(tok: Tokenizer, args: argparse.Namespace, text: str) -> list[int]:
+    """Raw mode when the text starts with BOS (specials recognised, no template); else the §1.4 template."""
+    from ds4.chat import encode_chat_prompt
+    from ds4.tokenizer import BOS
+
+    if text.startswith(BOS):
+        return tok.encode_chat(text)
+    return encode_chat_prompt(tok, args.system, text, think_mode(args.think, args.ctx))
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from ds4.engine.sampling import SamplingParams
+
+    return SamplingParams(args.temp, args.top_k or 0, args.top_p, args.min_p, args.seed)
+
+
+class StreamPrinter:
+    """Writes reasoning and answer deltas: reasoning grey on a terminal (plain otherwise), tags removed,
+    a newline between reasoning and answer when needed, a trailing newline at the end (product.md §3.2)."""
+
+    def __init__(self, out: TextIO, color: bool | None = None) -> None:
+        self.out = out
+        self.color = out.isatty() if color is None else color
+        self.in_reasoning = False
+        self.at_line_start = True
+
+    def reasoning(self, text: str) -> None:
+        if not self.in_reasoning:
+            self.in_reasoning = True
+            if self.color:
+                self.out.write(GREY)
+        self._write(text)
+
+    def text(self, text: str) -> None:
+        self._end_reasoning()
+        self._write(text)
+
+    def done(self) -> None:
+        self._end_reasoning()
+        if not self.at_line_start:
+            self._write("\n")
+
+    def _end_reasoning(self) -> None:
+        if self.in_reasoning:
+            self.in_reasoning = False
+            if self.color:
+                self.out.write(RESET)
+            if not self.at_line_start:
+                self._write("\n")
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.at_line_start = text.endswith("\n")
+
+
+def prefill_progress(enabled: bool) -> Callable[[int, int], None] | None:
+    """`processing N input tokens: a/N (p%)` on stderr, updated in place; only on a terminal."""
+    if not enabled:
+        return None
+
+    def show(done: int, total: int) -> None:
+        pct = 100.0 * done / total if total else 100.0
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\rprocessing {total} input tokens: {done}/{total} ({pct:.0f}%){end}")
+        sys.stderr.flush()
+
+    return show
+
+
+def stats_line(fin: Finish) -> str:
+    """The timing line on stderr; the parenthesis tells how much of the prompt came from the live KV."""
+    u, t = fin.usage, fin.timing
+    return (
+        f"ds4: prefill: {t.prefill_tps:.2f} t/s, generation: {t.decode_tps:.2f} t/s "
+        f"(prompt {u.prompt_tokens} tokens: {u.prefilled_tokens} prefilled, {u.reused_tokens} reused; "
+        f"{u.generated_tokens} generated)"
+    )
+
+
+@contextlib.contextmanager
+def interrupt_sets(event: threading.Event) -> Iterator[None]:
+    """While active, the first Ctrl+C sets `event` (generation stops at the next token); a second one
+    raises KeyboardInterrupt as usual. Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_generation(
+    session: Session,
+    prompt: list[int],
+    params: GenerateParams,
+    printer: StreamPrinter,
+    *,
+    rng: Rng | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> Finish:
+    """Stream one generation to `printer` with Ctrl+C as the cancel flag; prints the stats line."""
+    from ds4.engine.generate import Finish, ReasoningDelta, TextDelta, TokenEvent, generate
+
+    cancel = threading.Event()
+    progress = prefill_progress(sys.stderr.isatty())
+    fin: Finish | None = None
+    with interrupt_sets(cancel):
+        for ev in generate(session, prompt, params, rng=rng, cancel=cancel, progress=progress):
+            if isinstance(ev, ReasoningDelta):
+                printer.reasoning(ev.text)
+            elif isinstance(ev, TextDelta):
+                printer.text(ev.text)
+            elif isinstance(ev, TokenEvent):
+                if on_token is not None:
+                    on_token(ev.token)
+            elif isinstance(ev, Finish):
+                fin = ev
+    assert fin is not None  # generate always ends with a Finish
+    printer.done()
+    if fin.reason == "error":
+        print(f"ds4: {fin.error}", file=sys.stderr)
+    print(stats_line(fin), file=sys.stderr)
+    return fin
+
+
+# ---------------------------------------------------------------------------------------------------
 # Modes
 # ---------------------------------------------------------------------------------------------------
+
+
+def cmd_one_shot(args: argparse.Namespace) -> int:
+    from ds4.engine.generate import GenerateParams
+
+    text = prompt_text(args) if args.prompt is not None or args.prompt_file else sys.stdin.read()
+    with contextlib.ExitStack() as stack:
+        engine = open_engine(args, stack)
+        prompt = build_prompt(engine.tokenizer, args, text)
+        session = engine.session(args.ctx, checkpoint=False)
+        params = GenerateParams(max_tokens=args.tokens, sampling=sampling_params(args))
+        fin = run_generation(session, prompt, params, StreamPrinter(sys.stdout))
+    if fin.reason == "cancelled":
+        return 130
+    return 1 if fin.reason == "error" else 0
+
+
+def cmd_repl(args: argparse.Namespace) -> int:
+    from ds4.repl import run_repl
+
+    with contextlib.ExitStack() as stack:
+        engine = open_engine(args, stack)
+        return run_repl(engine, args)
+
+
+def cmd_dump_tokens(args: argparse.Namespace) -> int:
+    from ds4.tokenizer import dump_tokens
+
+    text = prompt_text(args)
+    sys.stdout.write(dump_tokens(resolve_model_path(args.model), text))
+    return 0
+
+
+def cmd_dump_logprobs(args: argparse.Namespace) -> int:
+    """Greedy continuation with the top-k log-probabilities of every step, as ds4's JSON (§3.5)."""
+    text = prompt_text(args) if args.prompt is not None or args.prompt_file else ""
+    with contextlib.ExitStack() as stack:
+        engine = open_engine(args, stack)
+        tok = engine.tokenizer
+        prompt = build_prompt(tok, args, text)
+        session = engine.session(args.ctx, checkpoint=False)
+        session.sync(prompt, prefill_progress(sys.stderr.isatty()))
+        room = args.ctx - len(prompt)
+        steps = 0 if room <= 1 else min(args.tokens, room - 1)
+        k = args.logprobs_top_k
+        parts = [f'{{\n  "source":"ds4",\n  "prompt_tokens":{len(prompt)},\n  "ctx":{args.ctx},\n']
+        parts.append(f'  "top_k":{k},\n  "steps":[\n')
+        for step in range(steps):
+            logits = session.logits
+            token = int(logits.argmax())
+            parts.append(",\n" if step else "")
+            parts.append(f'    {{"step":{step},"selected":{json_token(tok, token)},"top_logprobs":[')
+            parts.append(",".join(top_logprob_items(tok, logits, k)) + "]}")
+            if token == tok.eos_id:
+                break
+            if step + 1 < steps:
+                session.eval(token)
+        parts.append("\n  ]\n}\n")
+    try:
+        Path(args.dump_logprobs).write_text("".join(parts), encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write --dump-logprobs file {args.dump_logprobs}: {e.strerror}") from None
+    return 0
+
+
+def json_token(tok: Tokenizer, token: int) -> str:
+    """`{"id":I,"text":"…","bytes":[…]}` as ds4 writes it: `"`, `\\`, \\n, \\r, \\t escaped, other control
+    bytes as \\u00XX; when the piece is not valid UTF-8, every byte >= 0x80 too (`bytes` is authoritative)."""
+    raw = tok.token_bytes(token)
+    try:
+        raw.decode("utf-8")
+        valid = True
+    except UnicodeDecodeError:
+        valid = False
+    text = bytearray()
+    for b in raw:
+        if b in _JSON_ESCAPES:
+            text += _JSON_ESCAPES[b]
+        elif b < 0x20 or (not valid and b >= 0x80):
+            text += f"\\u{b:04x}".encode()
+        else:
+            text.append(b)
+    ids = ",".join(str(b) for b in raw)
+    return f'{{"id":{token},"text":"{text.decode("utf-8")}","bytes":[{ids}]}}'
+
+
+_JSON_ESCAPES = {
+    ord('"'): b'\\"',
+    ord("\\"): b"\\\\",
+    ord("\n"): b"\\n",
+    ord("\r"): b"\\r",
+    ord("\t"): b"\\t",
+}
+
+
+def top_logprob_items(tok: Tokenizer, logits: torch.Tensor, k: int) -> list[str]:
+    """Top-k by logit (descending; ties: lower id first), log-softmax over the finite logits of the vocab."""
+    import torch
+
+    x = logits.detach().float().reshape(-1)  # [V]
+    finite = torch.isfinite(x)
+    lse = float(torch.logsumexp(x[finite].double(), 0))
+    masked = torch.where(finite, x, torch.full_like(x, float("-inf")))
+    vals, ids = torch.sort(masked, descending=True, stable=True)
+    items = []
+    for v, i in zip(vals[:k].tolist(), ids[:k].tolist(), strict=True):
+        if v == float("-inf"):
+            break
+        items.append(f'{{"token":{json_token(tok, i)},"logit":{v:.9g},"logprob":{v - lse:.9g}}}')
+    return items
+
+
+PERPLEXITY_PREFIX = 32  # tokens of context before scoring starts (product.md §3.6)
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    """Teacher-forced NLL of a text file (plain BPE, no template) after a 32-token prefix (§3.6)."""
+    import torch
+
+    text = read_text_file(args.perplexity_file, "--perplexity-file")
+    with contextlib.ExitStack() as stack:
+        engine = open_engine(args, stack)
+        ids = engine.tokenizer.encode(text)
+        if len(ids) <= PERPLEXITY_PREFIX:
+            raise UsageError(
+                f"--perplexity-file needs more than {PERPLEXITY_PREFIX} tokens to score, "
+                f"{args.perplexity_file} has {len(ids)}"
+            )
+        if args.ctx <= PERPLEXITY_PREFIX + 1:
+            raise UsageError(f"--perplexity-file needs --ctx > {PERPLEXITY_PREFIX + 1}, got {args.ctx}")
+        targets = ids[PERPLEXITY_PREFIX:][: min(args.tokens, args.ctx - PERPLEXITY_PREFIX)]
+        session = engine.session(args.ctx, checkpoint=False)
+        session.sync(ids[:PERPLEXITY_PREFIX], prefill_progress(sys.stderr.isatty()))
+        nll = 0.0
+        for j, target in enumerate(targets):
+            logp = torch.log_softmax(session.logits.double(), 0)  # [V]
+            nll -= float(logp[target])
+            if j + 1 < len(targets):
+                session.eval(target)
+    n = len(targets)
+    print(f"tokens={len(ids)} scored={n} nll={nll:.9f} avg_nll={nll / n:.9f} ppl={math.exp(nll / n):.9f}")
+    return 0
 
 
 def _not_implemented(what: str) -> Callable[[argparse.Namespace], int]:
@@ -390,18 +762,17 @@ def _not_implemented(what: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-# mode -> handler; later work replaces the placeholders.
 MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "inspect": cmd_inspect,
-    "dump-tokens": _not_implemented("--dump-tokens"),
-    "dump-logprobs": _not_implemented("--dump-logprobs"),
-    "perplexity": _not_implemented("--perplexity-file"),
+    "dump-tokens": cmd_dump_tokens,
+    "dump-logprobs": cmd_dump_logprobs,
+    "perplexity": cmd_perplexity,
     "imatrix": _not_implemented("imatrix collection (--imatrix-dataset)"),
     "diagnostic": _not_implemented(
         "the developer diagnostics (--head-test, --first-token-test, --metal-graph-*)"
     ),
-    "one-shot": _not_implemented("one-shot generation (-p/--prompt-file)"),
-    "repl": _not_implemented("the interactive REPL"),
+    "one-shot": cmd_one_shot,
+    "repl": cmd_repl,
 }
 
 _DIAGNOSTICS = ("head_test", "first_token_test", "metal_graph_test", "metal_graph_full_test",
@@ -437,7 +808,9 @@ def select_mode(args: argparse.Namespace) -> str:
         return "imatrix"
     if any(getattr(args, d) for d in _DIAGNOSTICS):
         return "diagnostic"
-    return "one-shot" if has_prompt else "repl"
+    if has_prompt or not (args.interactive or sys.stdin.isatty()):
+        return "one-shot"  # no prompt and no terminal: the prompt is read from stdin
+    return "repl"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
