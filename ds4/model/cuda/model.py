@@ -153,8 +153,10 @@ class CudaModel:
         return r
 
     @torch.inference_mode()
-    def decode_greedy(self, state: DeviceKVState, first_token: int, n: int) -> torch.Tensor:
-        """Feed first_token, then n-1 times the argmax of the previous logits, all on the device.
+    def decode_greedy(
+        self, state: DeviceKVState, first_token: int, n: int, *, exclude: int | None = None
+    ) -> torch.Tensor:
+        """Feed first_token, then n-1 times the argmax of the previous logits (never `exclude`), on device.
 
         Returns the n tokens fed (device int64 [n]); state.n_tokens advances by n. No host sync inside.
         """
@@ -167,6 +169,8 @@ class CudaModel:
         for i in range(n):
             fed[i : i + 1].copy_(runner.token)
             runner.step()
+            if exclude is not None:
+                runner.logits[0, exclude] = float("-inf")
             runner.token.copy_(runner.logits[0].argmax().view(1))
             runner.pos.add_(1)
         state.n_tokens += n

@@ -1,0 +1,355 @@
+"""`ds4-bench`: instantaneous prefill and decode speed at context frontiers (product.md §6.1).
+
+For each frontier f (ctx-start, then + step-incr or x step-mul, capped at ctx-max): extend the session to
+tokens[:f] (only the new interval is prefilled, timed), keep an in-memory copy of the state, decode gen-tokens
+greedy tokens with EOS excluded (timed), restore the copy. One CSV row per frontier:
+
+    ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes,weights_gbps
+
+kvcache_bytes is the DSV4 payload size of the session at f (model.md §11.3); weights_gbps is the weight
+bytes a decode step reads (matrices as stored on the device, routed experts k/E of their bytes) x gen_tps.
+`--synthetic flash-q2|flash-q4` builds full-size random Flash weights directly on the GPU (no file); its
+prompt tokens are the text's UTF-8 bytes spread over the vocabulary (random weights: token identity does
+not matter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ds4.config import DEFAULT_MODEL_PATH, DEFAULT_SYSTEM_PROMPT
+from ds4.errors import Ds4Error
+
+COLUMNS = [
+    "ctx_tokens",
+    "prefill_tokens",
+    "prefill_tps",
+    "gen_tokens",
+    "gen_tps",
+    "kvcache_bytes",
+    "weights_gbps",
+]
+SYNTHETIC = {"flash-q2": "q2", "flash-q4": "q4"}
+SYNTHETIC_EOS = 1  # <｜end▁of▁sentence｜> in the DeepSeek V4 vocabulary
+SYNTHETIC_SEED = 1
+EXPERT_FIELDS = ("gate_exps", "up_exps", "down_exps")
+
+
+class BenchError(Ds4Error, ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def default_text() -> Path:
+    """The bundled bench text in the shared folder next to the repository (or $DS4_SHARED)."""
+    shared = Path(os.environ.get("DS4_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+    return shared / "bench-text" / "promessi_sposi.txt"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ds4-bench", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt-file", help="raw text, plain BPE, no BOS (default: the bundled bench text)")
+    src.add_argument("--chat-prompt-file", help="text rendered as one no-thinking chat user message")
+    p.add_argument("-sys", "--system", default=DEFAULT_SYSTEM_PROMPT + ".", help="system prompt (chat file)")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL_PATH, help="GGUF path, or 'tiny'")
+    p.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random full-size Flash weights on the GPU")
+    for flag in ("cuda", "cpu"):
+        p.add_argument(f"--{flag}", dest="backend", action="store_const", const=flag, help=f"{flag} backend")
+    p.add_argument("--backend", choices=("cuda", "cpu"), help="backend (default: cuda when a GPU is present)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    p.add_argument("--ctx-start", type=int, default=2048)
+    p.add_argument("--ctx-max", type=int, default=32768)
+    p.add_argument("--ctx-alloc", type=int, default=0, help="session ctx (default ctx-max + gen-tokens + 1)")
+    p.add_argument("--step-mul", type=float, default=1.0)
+    p.add_argument("--step-incr", type=int, default=2048)
+    p.add_argument("--gen-tokens", "--tokens", "-n", dest="gen_tokens", type=int, default=128)
+    p.add_argument("--csv", help="CSV output file (default stdout)")
+    p.add_argument("--plot", action="store_true", help="also write <csv>_ts.png and .svg (needs matplotlib)")
+    p.add_argument("--no-graphs", action="store_true", help="cuda: decode without CUDA graphs")
+    a = p.parse_args(argv)
+    if a.ctx_start < 1 or a.ctx_max < a.ctx_start:
+        p.error(f"need 1 <= --ctx-start <= --ctx-max, got {a.ctx_start} and {a.ctx_max}")
+    if a.step_mul < 1:
+        p.error(f"--step-mul must be >= 1, got {a.step_mul}")
+    if a.step_mul == 1 and a.step_incr < 1:
+        p.error(f"--step-incr must be >= 1, got {a.step_incr}")
+    if a.gen_tokens < 1:
+        p.error(f"--gen-tokens must be >= 1, got {a.gen_tokens}")
+    a.ctx_alloc = a.ctx_alloc or a.ctx_max + a.gen_tokens + 1
+    if a.ctx_alloc <= a.ctx_max + a.gen_tokens:
+        p.error(f"--ctx-alloc must be > ctx-max + gen-tokens = {a.ctx_max + a.gen_tokens}, got {a.ctx_alloc}")
+    if a.plot and not a.csv:
+        p.error("--plot needs --csv FILE (the plots are written next to it)")
+    return a
+
+
+def frontiers(start: int, stop: int, incr: int, mul: float) -> list[int]:
+    out, f = [start], start
+    while f < stop:
+        f = min(stop, f + incr if mul == 1 else max(f + 1, math.ceil(f * mul)))
+        out.append(f)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and prompt
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Loaded:
+    model: object  # DS4Model or CudaModel
+    tokens: list[int]
+    eos: int
+    label: str
+
+
+def read_text(path: str | None) -> str:
+    p = Path(path) if path else default_text()
+    if not p.exists():
+        hint = "" if path else " (the bundled text lives in ../shared/bench-text; pass --prompt-file FILE)"
+        raise BenchError(f"prompt file not found: {p}{hint}")
+    return p.read_text(encoding="utf-8")
+
+
+def load(a: argparse.Namespace) -> Loaded:
+    import torch
+
+    text = read_text(a.chat_prompt_file or a.prompt_file)
+    backend = a.backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.synthetic:
+        if backend != "cuda" or not torch.cuda.is_available():
+            raise BenchError("--synthetic builds its weights on a CUDA GPU; none is available")
+        if a.chat_prompt_file:
+            raise BenchError("--synthetic has no tokenizer: use --prompt-file (or the default text)")
+        model = synthetic_model(SYNTHETIC[a.synthetic], graphs=not a.no_graphs)
+        vocab = model.cfg.n_vocab
+        tokens = [(b * 1009 + i % 7) % vocab for i, b in enumerate(text.encode("utf-8"))]  # bytes -> ids
+        return Loaded(model, tokens, SYNTHETIC_EOS, f"synthetic {a.synthetic}")
+    from ds4.engine import Engine
+
+    engine = Engine.open(a.model, backend=backend)
+    tok = engine.tokenizer
+    if a.chat_prompt_file:
+        from ds4.chat import encode_chat_prompt
+
+        tokens = encode_chat_prompt(tok, a.system, text, "none")
+    else:
+        tokens = tok.encode(text)
+    if backend == "cuda" and a.no_graphs:
+        engine.model.graphs = False
+    return Loaded(engine.model, tokens, tok.eos_id, f"{Path(a.model).name} ({backend})")
+
+
+def synthetic_model(quant: str, *, graphs: bool = True, cfg=None):
+    """CudaModel over random Flash weights generated tensor by tensor on the GPU (bounded peak memory)."""
+    from ds4.config import FLASH
+    from ds4.model.cuda import CudaModel
+    from ds4.tools.synthetic import build_weights, plan
+
+    cfg = cfg or FLASH
+    names = {pt.name for pt in plan(cfg, quant)}
+
+    def source(name: str):
+        return build_weights(cfg, quant, seed=SYNTHETIC_SEED, device="cuda", names=[name])[name]
+
+    return CudaModel(cfg, source, has=names.__contains__, device="cuda", graphs=graphs)
+
+
+def decode_bytes_per_token(model) -> int:
+    """Weight bytes one decode step reads: matrices as stored, k/E of the routed experts, no embeddings."""
+    cfg = model.cfg
+    frac = cfg.n_expert_used / cfg.n_expert
+
+    def size(obj, depth=0) -> float:
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        packed = getattr(obj, "packed", None)  # QLinear: decode reads the packed blocks
+        if packed is not None:
+            return size(packed, depth + 1)
+        data = getattr(obj, "data", None)
+        if isinstance(data, torch.Tensor):  # Packed expert stack
+            return size(data)
+        if isinstance(data, dict):  # ds4.kernels PackedWeight
+            return sum(size(v) for v in data.values())
+        if depth < 4 and hasattr(obj, "__dict__"):
+            total = 0.0
+            for name, v in vars(obj).items():
+                if name == "tid2eid":
+                    continue  # one row per token
+                total += size(v, depth + 1) * (frac if name in EXPERT_FIELDS else 1.0)
+            return total
+        return 0
+
+    total = sum(size(blk.w) for blk in model.layers)
+    return int(total + size(model.output) + size(model.head_hc) + size(model.output_norm))
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep
+# ---------------------------------------------------------------------------------------------
+
+
+class Driver:
+    """One growing timeline over a model (CPU or device): extend, copy/restore state, greedy decode."""
+
+    def __init__(self, model, ctx: int, eos: int) -> None:
+        import torch
+
+        self.torch, self.model, self.eos = torch, model, eos
+        self.device = getattr(model, "device", torch.device("cpu"))
+        self.state = model.new_state(ctx)
+        self.n = 0
+        self.logits = None
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def extend(self, tokens: list[int]) -> None:
+        with self.torch.inference_mode():
+            self.logits = self.model.forward(self.state, tokens)
+        self.n += len(tokens)
+
+    def save(self):
+        return self.state.clone(), self.n, self.logits
+
+    def restore(self, saved) -> None:
+        state, self.n, self.logits = saved
+        if hasattr(self.state, "copy_from"):
+            self.state.copy_from(state)  # same buffers: the captured decode graph stays valid
+        else:
+            self.state = state.clone()
+
+    def greedy(self, n: int) -> list[int]:
+        torch = self.torch
+        logits = self.logits.clone()
+        logits[self.eos] = float("-inf")
+        first = int(logits.argmax())
+        if hasattr(self.model, "decode_greedy"):
+            return self.model.decode_greedy(self.state, first, n, exclude=self.eos).tolist()
+        out, tok = [], first
+        with torch.inference_mode():
+            for _ in range(n):
+                out.append(tok)
+                logits = self.model.forward(self.state, [tok])
+                logits[self.eos] = float("-inf")
+                tok = int(logits.argmax())
+        return out
+
+
+def run(a: argparse.Namespace, out) -> list[dict]:
+    from ds4.engine.snapshot import payload_size
+
+    loaded = load(a)
+    tokens, model = loaded.tokens, loaded.model
+    if len(tokens) < a.ctx_max:
+        raise BenchError(f"prompt too short: {len(tokens)} tokens, --ctx-max needs at least {a.ctx_max}")
+    step_bytes = decode_bytes_per_token(model)
+    drv = Driver(model, a.ctx_alloc, loaded.eos)
+    warm_up(drv, tokens)
+    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    rows = []
+    for f in frontiers(a.ctx_start, a.ctx_max, a.step_incr, a.step_mul):
+        n0 = drv.n
+        t0 = time.perf_counter()
+        drv.extend(tokens[n0:f])
+        drv.sync()
+        t_pre = time.perf_counter() - t0
+        saved = drv.save()
+        drv.sync()
+        t0 = time.perf_counter()
+        drv.greedy(a.gen_tokens)
+        drv.sync()
+        t_gen = time.perf_counter() - t0
+        drv.restore(saved)
+        gen_tps = a.gen_tokens / t_gen
+        row = {
+            "ctx_tokens": f,
+            "prefill_tokens": f - n0,
+            "prefill_tps": f"{(f - n0) / t_pre:.2f}",
+            "gen_tokens": a.gen_tokens,
+            "gen_tps": f"{gen_tps:.2f}",
+            "kvcache_bytes": payload_size(model.cfg, f),
+            "weights_gbps": f"{step_bytes * gen_tps / 1e9:.2f}",
+        }
+        writer.writerow(row)
+        out.flush()
+        rows.append(row)
+    return rows
+
+
+def warm_up(drv: Driver, tokens: list[int]) -> None:
+    """Compile kernels and capture the decode graph outside the timed region, then start over."""
+    empty = drv.save()
+    drv.extend(tokens[:8])
+    drv.greedy(2)
+    drv.restore(empty)
+    drv.sync()
+
+
+def plot(csv_path: Path, title: str) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("ds4-bench: matplotlib is not installed; skipping --plot", file=sys.stderr)
+        return []
+    with open(csv_path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    ctx = [int(r["ctx_tokens"]) for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    ax1.plot(ctx, [float(r["prefill_tps"]) for r in rows], marker="o")
+    ax1.set_ylabel("prefill tokens/s")
+    ax2.plot(ctx, [float(r["gen_tps"]) for r in rows], marker="o", color="tab:orange")
+    ax2.set_ylabel("decode tokens/s")
+    ax2.set_xlabel("context (tokens)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    fig.suptitle(title)
+    outs = [csv_path.with_name(csv_path.stem + "_ts" + ext) for ext in (".png", ".svg")]
+    for o in outs:
+        fig.savefig(o)
+    plt.close(fig)
+    return outs
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        if a.csv:
+            with open(a.csv, "w", newline="") as fh:
+                run(a, fh)
+            if a.plot:
+                for o in plot(Path(a.csv), f"ds4-bench {a.synthetic or Path(a.model).name}"):
+                    print(f"ds4-bench: wrote {o}", file=sys.stderr)
+        else:
+            run(a, sys.stdout)
+    except Ds4Error as e:
+        print(f"ds4-bench: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
