@@ -1,8 +1,9 @@
 """Prefill GEMMs on packed weights: tensor-core tiles with the weight tile dequantized in registers.
 
-qmatmul: x [M, K] @ W[N, K]^T -> [M, N] f32. x bf16 -> bf16 x bf16 MMA (W tile rounded to bf16), f32
-accumulation; x f32 -> tf32x3 MMA (f32-accurate, ~3x the MMA cost). Non-expert matrices may instead use
-cuBLAS on bf16 weight copies (cuda_plan.md); this kernel is the no-copy option and the expert path.
+qmatmul: x [M, K] @ W[N, K]^T -> [M, N] f32 with bf16 x bf16 MMAs (x rounded to bf16 if given f32, the W
+tile rounded to bf16 in registers) and f32 accumulation: a bf16-accuracy path (~3e-3 relative). Non-expert
+matrices may instead use cuBLAS on bf16 weight copies (cuda_plan.md); this is the no-copy option and the
+expert path.
 
 moe_grouped: rows of x_sorted grouped by expert (offsets [E+1] on the device, e.g. from moe.group_by_expert),
 row r of group e times W[e]^T -> out[r]. A device-side tile table (one M-tile never spans two experts) sized
@@ -27,11 +28,13 @@ BM, BN, WARPS, STAGES = 64, 64, 4, 2
 
 
 def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [M, K] bf16|f32 @ W[N, K]^T -> [M, N] f32 (prefill). Triton on CUDA, else ref twin."""
+    """x [M, K] bf16 (f32 is rounded to bf16) @ W[N, K]^T -> [M, N] f32 (prefill). Triton on CUDA, else the
+    ref twin (which keeps f32 x exact)."""
     check_weight(w, 2, "qmatmul", x.device)
     x = prep_x(x, w.K, "qmatmul")
     if not use_triton(x):
         return ref.qmatmul(x, w)
+    x = x.to(torch.bfloat16)
     M, N, K = x.shape[0], w.N, w.K
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if M == 0 or N == 0:
@@ -40,7 +43,7 @@ def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), 1)
     _qmv_kernel[grid](
         x, *weight_args(w), out, M, N, K, x.stride(0), K // tk,
-        QT=int(w.qtype), BB=BM, BN=BN, TK=tk, USE_DOT=True, X16=x.dtype == torch.bfloat16,
+        QT=int(w.qtype), BB=BM, BN=BN, TK=tk, USE_DOT=True,
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out
@@ -64,7 +67,6 @@ def _grouped_kernel(
     QT: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
-    X16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -79,7 +81,7 @@ def _grouped_kernel(
     wrow = e.to(tl.int64) * N + tl.minimum(n, N - 1)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc = dot_rows(acc, w0, w1, w2, w3, wrow, x_ptr, rows.to(tl.int64) * stride_x, rmask, 0, K // TK, K,
-                   QT, BN, TK, True, X16)  # fmt: skip
+                   QT, BN, TK, True)  # fmt: skip
     out = out_ptr + rows[:, None].to(tl.int64) * N + n[None, :]
     tl.store(out, acc, mask=rmask[:, None] & (n < N)[None, :])
 
@@ -101,7 +103,8 @@ def tile_table(offsets: torch.Tensor, m: int, bm: int) -> tuple[torch.Tensor, to
 
 
 def moe_grouped(x_sorted: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) -> torch.Tensor:
-    """x_sorted [M, K] (rows grouped by expert), stack W [E, N, K], offsets [E+1] int32 -> [M, N] f32.
+    """x_sorted [M, K] bf16 (rows grouped by expert; f32 is rounded to bf16), stack W [E, N, K], offsets [E+1]
+    int32 -> [M, N] f32.
 
     Rows outside offsets[0] .. offsets[E] are 0.
     """
@@ -115,6 +118,7 @@ def moe_grouped(x_sorted: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) 
         )
     if not use_triton(x):
         return ref.moe_grouped(x, w, offsets)
+    x = x.to(torch.bfloat16)
     M, N, K = x.shape[0], w.N, w.K
     out = torch.zeros(M, N, dtype=torch.float32, device=x.device)
     if M == 0 or N == 0:
@@ -123,7 +127,7 @@ def moe_grouped(x_sorted: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) 
     grid = (triton.cdiv(N, BN), tile_e.numel())
     _grouped_kernel[grid](
         x, *weight_args(w), out, tile_e, tile_r0, offsets.to(torch.int32), N, K, x.stride(0),
-        BM=BM, QT=int(w.qtype), BN=BN, TK=tile_k(w), X16=x.dtype == torch.bfloat16,
+        BM=BM, QT=int(w.qtype), BN=BN, TK=tile_k(w),
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out

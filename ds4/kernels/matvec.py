@@ -1,10 +1,11 @@
 """Fused dequant x matvec for decode (B = 1..64 activation rows) on packed weights (ds4.kernels.packing).
 
 out[b, n] = sum_k x[b, k] * W[n, k], f32 accumulation, W dequantized tile by tile in registers (never in
-memory). Two inner products, chosen by batch size:
-  * B <= 4: CUDA-core FMAs on f32 (x upcast): exact f32 math, right when weight bytes bound the time;
-  * B > 4: tensor cores (tl.dot; x bf16 -> bf16 x bf16, x f32 -> tf32x3 which is f32-accurate), so that the
-    multiply cost does not grow with B.
+memory). Two inner products:
+  * x f32, or B <= 4: CUDA-core FMAs in f32 (bf16 x upcast, exact): f32-accurate, right when weight bytes
+    bound the time; x f32 with B > 4 runs in chunks of 4 rows (each chunk dequantizes the tile again);
+  * x bf16 and B > 4: tensor cores (tl.dot, bf16 x bf16 with the W tile rounded to bf16, f32 accumulation),
+    so that the multiply cost does not grow with B. (tf32x3 for f32 x spills registers at these tile sizes.)
 Split-K (partial sums in a [S, B, N] buffer, then a sum over S) keeps >= ~1000 programs in flight for short N.
 
 The jit helper ``dot_rows`` is shared with moe.py and matmul.py: it adds x[rows] @ W[rows]^T for one tile of
@@ -40,14 +41,11 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _acc_tile(acc, w, x_ptr, xrow, xmask, xcol, USE_DOT: tl.constexpr, X16: tl.constexpr):
-    """acc[BB, BN] += x[xrow, xcol] @ w^T with w [BN, TK] f32 already dequantized."""
+def _acc_tile(acc, w, x_ptr, xrow, xmask, xcol, USE_DOT: tl.constexpr):
+    """acc[BB, BN] += x[xrow, xcol] @ w^T with w [BN, TK] f32 already dequantized (USE_DOT: x is bf16)."""
     x = tl.load(x_ptr + xrow[:, None] + xcol[None, :], mask=xmask[:, None], other=0.0)  # [BB, TK]
     if USE_DOT:
-        if X16:
-            acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+        acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
     else:
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     return acc
@@ -71,7 +69,6 @@ def dot_rows(
     BN: tl.constexpr,
     TK: tl.constexpr,
     USE_DOT: tl.constexpr,
-    X16: tl.constexpr,
 ):
     """acc[BB, BN] += x[xrow, k] * W[wrow, k] summed over k-tiles [kt_lo, kt_hi) of TK elements.
 
@@ -87,7 +84,7 @@ def dot_rows(
             q = tl.load(w0 + wrow[:, None, None] * K + k0 + blk[None, :, None] * 32 + e[None, None, :])
             d = tl.load(w1 + wrow[:, None] * (K // 32) + k0 // 32 + blk[None, :]).to(tl.float32)
             w = tl.reshape(q.to(tl.float32) * d[:, :, None], [BN, TK])
-            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + tl.arange(0, TK), USE_DOT, X16)
+            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + tl.arange(0, TK), USE_DOT)
         elif QT == 10:  # Q2_K: byte j of half h, shift 2t -> element 128h + 32t + j; scale 8h + 2t + j//16
             g = tl.arange(0, 4)  # 16-byte group: half g//2, byte-group g%2
             i = tl.arange(0, 16)
@@ -103,7 +100,7 @@ def dot_rows(
                 q = ((q8 >> (2 * t)) & 3).to(tl.float32)  # [BN, 4, 16]
                 w = tl.reshape(dl[:, :, None] * q - ml[:, :, None], [BN, 64])
                 xcol = k0 + (g // 2)[:, None] * 128 + 32 * t + (g % 2)[:, None] * 16 + i[None, :]
-                acc = _acc_tile(acc, w, x_ptr, xrow, xmask, tl.reshape(xcol, [64]), USE_DOT, X16)
+                acc = _acc_tile(acc, w, x_ptr, xrow, xmask, tl.reshape(xcol, [64]), USE_DOT)
         elif QT == 12:  # Q4_K: chunk c byte j: low nibble -> 64c + j (sub-block 2c), high -> 64c + 32 + j
             c = tl.arange(0, 4)
             j = tl.arange(0, 32)
@@ -120,7 +117,7 @@ def dot_rows(
                 q = ((q8 >> (4 * h)) & 15).to(tl.float32)  # [BN, 4, 32]
                 w = tl.reshape(dl[:, :, None] * q - ml[:, :, None], [BN, 128])
                 xcol = k0 + c[:, None] * 64 + 32 * h + j[None, :]
-                acc = _acc_tile(acc, w, x_ptr, xrow, xmask, tl.reshape(xcol, [128]), USE_DOT, X16)
+                acc = _acc_tile(acc, w, x_ptr, xrow, xmask, tl.reshape(xcol, [128]), USE_DOT)
         elif QT == 16:  # IQ2_XXS: group g of 8 elements (32 per block), k order
             g = tl.arange(0, 32)
             j = tl.arange(0, 8)
@@ -137,11 +134,11 @@ def dot_rows(
             mag = ((grid[:, :, None] >> (8 * j)[None, None, :]) & 255).to(tl.float32)  # [BN, 32, 8]
             neg = ((signs[:, :, None] >> j[None, None, :]) & 1) != 0
             w = tl.reshape(db[:, :, None] * tl.where(neg, -mag, mag), [BN, 256])
-            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + tl.arange(0, 256), USE_DOT, X16)
+            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + tl.arange(0, 256), USE_DOT)
         else:  # F32 / F16 / BF16
             col = tl.arange(0, TK)
             w = tl.load(w0 + wrow[:, None] * K + k0 + col[None, :]).to(tl.float32)
-            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + col, USE_DOT, X16)
+            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + col, USE_DOT)
     return acc
 
 
@@ -213,7 +210,6 @@ def _qmv_kernel(
     BN: tl.constexpr,
     TK: tl.constexpr,
     USE_DOT: tl.constexpr,
-    X16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -227,15 +223,15 @@ def _qmv_kernel(
     acc = tl.zeros([BB, BN], dtype=tl.float32)
     acc = dot_rows(
         acc, w0, w1, w2, w3, wrow, x_ptr, b.to(tl.int64) * stride_x, bmask, kt_lo, kt_hi, K, QT, BN, TK,
-        USE_DOT, X16,
+        USE_DOT,
     )  # fmt: skip
     out = out_ptr + pid_s.to(tl.int64) * B * N + b[:, None].to(tl.int64) * N + n[None, :]
     tl.store(out, acc, mask=bmask[:, None] & (n < N)[None, :])
 
 
-def decode_tiles(b: int) -> tuple[int, int, bool]:
-    """(BB, BN, use_dot) for a decode-sized batch b."""
-    if b <= 4:
+def decode_tiles(b: int, x16: bool) -> tuple[int, int, bool]:
+    """(BB, BN, use_dot) for a decode-sized batch b; x16: activations are bf16."""
+    if b <= 4 or not x16:
         bb = 1 if b <= 1 else (2 if b == 2 else 4)
         return bb, 32 // bb, False
     return (16 if b <= 16 else 32 if b <= 32 else 64), 32, True
@@ -258,16 +254,66 @@ def qmatvec(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if B == 0 or N == 0:
         return torch.zeros(B, N, dtype=torch.float32, device=x.device)
     tk = tile_k(w)
-    bb, bn, use_dot = decode_tiles(B)
+    bb, bn, use_dot = decode_tiles(B, x.dtype == torch.bfloat16)
     grid_nb = triton.cdiv(N, bn) * triton.cdiv(B, bb)
     per, splits = split_k(grid_nb, K // tk)
     out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, bn), triton.cdiv(B, bb), splits)
     _qmv_kernel[grid](
         x, *weight_args(w), out, B, N, K, x.stride(0), per,
-        QT=_qtype_code(w), BB=bb, BN=bn, TK=tk, USE_DOT=use_dot, X16=x.dtype == torch.bfloat16, num_warps=4,
+        QT=_qtype_code(w), BB=bb, BN=bn, TK=tk, USE_DOT=use_dot, num_warps=4,
     )  # fmt: skip
     return out[0] if splits == 1 else out.sum(0)
 
 
-__all__ = ["dot_rows", "qmatvec", "use_triton"]
+# ---------------------------------------------------------------------------------------------------------
+# qmatvec_grouped: G independent matrices, each applied to its own slice of x (attention output a-projection)
+
+
+@triton.jit
+def _grouped_mv_kernel(
+    x_ptr,
+    w0,
+    w1,
+    w2,
+    w3,
+    out_ptr,
+    G,
+    N,
+    K,
+    QT: tl.constexpr,
+    BN: tl.constexpr,
+    TK: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)  # = b * G + group
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = (pair % G).to(tl.int64) * N + tl.minimum(n, N - 1)
+    xrow = tl.zeros([1], dtype=tl.int64) + pair.to(tl.int64) * K
+    xmask = tl.full([1], 1, tl.int1)
+    y = dot_rows(tl.zeros([1, BN], tl.float32), w0, w1, w2, w3, wrow, x_ptr, xrow, xmask, 0, K // TK, K,
+                 QT, BN, TK, False)  # fmt: skip
+    tl.store(out_ptr + pair.to(tl.int64) * N + n[None, :], y, mask=(n < N)[None, :])
+
+
+def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [B, G, K] f32|bf16, W [G, N, K] -> [B, G, N] f32: out[b, g] = W[g] @ x[b, g] (decode)."""
+    check_weight(w, 3, "qmatvec_grouped", x.device)
+    G, N, K = w.shape
+    if x.ndim != 3 or x.shape[1:] != (G, K):
+        raise ValueError(f"qmatvec_grouped: x must be [B, {G}, {K}], got {tuple(x.shape)}")
+    B = x.shape[0]
+    x2 = prep_x(x.reshape(B * G, K), K, "qmatvec_grouped")
+    if not use_triton(x2):
+        return ref.qmatvec_grouped(x2.reshape(B, G, K), w)
+    out = torch.empty(B, G, N, dtype=torch.float32, device=x.device)
+    if B == 0 or N == 0:
+        return out
+    bn = 16
+    _grouped_mv_kernel[(triton.cdiv(N, bn), B * G)](
+        x2, *weight_args(w), out, G, N, K, QT=_qtype_code(w), BN=bn, TK=tile_k(w), num_warps=4
+    )
+    return out
+
+
+__all__ = ["dot_rows", "qmatvec", "qmatvec_grouped", "use_triton"]

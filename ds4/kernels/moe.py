@@ -58,9 +58,9 @@ def _gate_up_kernel(
     xrow = tl.zeros([1], dtype=tl.int64) + (pair // n_slots).to(tl.int64) * stride_x
     xmask = tl.full([1], 1, tl.int1)
     g = dot_rows(tl.zeros([1, BN], tl.float32), g0, g1, g2, g3, wrow, x_ptr, xrow, xmask, 0, K // TK, K,
-                 QT, BN, TK, False, False)  # fmt: skip
+                 QT, BN, TK, False)  # fmt: skip
     u = dot_rows(tl.zeros([1, BN], tl.float32), u0, u1, u2, u3, wrow, x_ptr, xrow, xmask, 0, K // TK, K,
-                 QT, BN, TK, False, False)  # fmt: skip
+                 QT, BN, TK, False)  # fmt: skip
     if CLAMP:
         g = tl.minimum(g, clamp)  # the gate has no lower bound (§5.5)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
@@ -93,7 +93,7 @@ def _down_kernel(
     xrow = tl.zeros([1], dtype=tl.int64) + pair.to(tl.int64) * F
     xmask = tl.full([1], 1, tl.int1)
     y = dot_rows(tl.zeros([1, BN], tl.float32), w0, w1, w2, w3, wrow, mid_ptr, xrow, xmask, 0, F // TK, F,
-                 QT, BN, TK, False, False)  # fmt: skip
+                 QT, BN, TK, False)  # fmt: skip
     tl.store(out_ptr + pair.to(tl.int64) * D + n[None, :], y * rw, mask=(n < D)[None, :])
 
 

@@ -24,6 +24,11 @@ def qmatvec(x: torch.Tensor, w) -> torch.Tensor:
     return x.float() @ _unpack(w).T
 
 
+def qmatvec_grouped(x: torch.Tensor, w) -> torch.Tensor:
+    """x [B, G, K], W [G, N, K] -> [B, G, N] f32: out[b, g] = W[g] @ x[b, g]."""
+    return torch.einsum("gnk,bgk->bgn", _unpack(w), x.float())
+
+
 def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     """x [M, K] @ W[N, K]^T -> [M, N] f32."""
     return x.float() @ _unpack(w).T

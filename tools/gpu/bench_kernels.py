@@ -1,0 +1,302 @@
+"""Check + time the quantized-weight kernels (ds4/kernels: matvec, moe, matmul) at DeepSeek V4 Flash shapes.
+
+On the H200:   python tools/gpu/bench_kernels.py [--quick]
+  builds random packed weights on the GPU, checks every op against its torch twin (ds4/kernels/ref.py), times
+  it with triton.testing.do_bench (median) and prints achieved GB/s of weight bytes vs the 4.3 TB/s ceiling
+  (decode) or TFLOP/s vs cuBLAS bf16 on the same shape (prefill).
+Anywhere (no GPU): python tools/gpu/bench_kernels.py --compile-only
+  compiles every launch configuration of the ops for sm_90 with Triton's bundled ptxas and prints registers,
+  spills and shared memory per kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from ds4.quant import GGMLType, random_blocks  # noqa: E402
+
+PEAK_BW = 4.3e12  # bytes/s, H200 copy bandwidth
+Q8, F16, Q2K, Q4K, IQ2 = GGMLType.Q8_0, GGMLType.F16, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS
+
+# (name, qtype, K in, N out); "o_a" is grouped: 8 groups of 4096 -> 1024 on their own input slices.
+DENSE = [
+    ("q_a", Q8, 4096, 1024),
+    ("q_b", Q8, 1024, 32768),
+    ("kv", Q8, 4096, 512),
+    ("o_b", Q8, 8192, 4096),
+    ("f16 4096x1024", F16, 4096, 1024),
+    ("f16 4096x256", F16, 4096, 256),
+]
+GROUPED = [("o_a 8x(4096->1024)", Q8, 8, 4096, 1024)]
+# (name, gate/up qtype, down qtype); E = 256 experts, k = 6 per row, K = 4096, F = 2048.
+EXPERTS = [("experts iq2/q2k", IQ2, Q2K), ("experts q4k", Q4K, Q4K)]
+N_EXP, TOPK, DIM, FFN = 256, 6, 4096, 2048
+
+
+def packed(qtype, shape, gen, std=0.02):
+    from ds4.kernels.packing import pack
+
+    return pack(random_blocks(qtype, shape, std=std, generator=gen), qtype, shape)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def row(name, qtype, b, dtype, secs, nbytes, err, tol, extra=""):
+    gbs = nbytes / secs / 1e9
+    ok = "ok" if err <= tol else f"FAIL(>{tol:g})"
+    dt = "bf16" if dtype == torch.bfloat16 else "f32"
+    print(
+        f"{name:22s} {qtype:>8s} B={b:<3d} {dt:4s} {secs * 1e6:9.1f} us {gbs:8.0f} GB/s "
+        f"{100 * gbs * 1e9 / PEAK_BW:5.1f}%  err {err:.1e} {ok} {extra}"
+    )
+
+
+def run_gpu(quick: bool) -> int:
+    from ds4.kernels import matmul, matvec, moe, ref
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(0)
+    batches = (1, 8) if quick else (1, 8, 32)
+    fails = 0
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print("--- decode: dense qmatvec (time includes the split-K sum)")
+    for name, qt, k, n in DENSE:
+        w = packed(qt, (n, k), gen)
+        for b in batches:
+            for dt in (torch.float32, torch.bfloat16) if b > 1 else (torch.float32,):
+                x = torch.randn(b, k, device=dev, generator=gen).to(dt)
+                err = rel_err(matvec.qmatvec(x, w), ref.qmatvec(x, w))
+                fails += err > tol[dt]
+                secs = bench(lambda: matvec.qmatvec(x, w))  # noqa: B023
+                row(name, qt.name, b, dt, secs, w.nbytes(), err, tol[dt])
+    for name, qt, g, k, n in GROUPED:
+        w = packed(qt, (g, n, k), gen)
+        for b in batches:
+            x = torch.randn(b, g, k, device=dev, generator=gen)
+            err = rel_err(matvec.qmatvec_grouped(x, w), ref.qmatvec_grouped(x, w))
+            fails += err > 1e-5
+            secs = bench(lambda: matvec.qmatvec_grouped(x, w))  # noqa: B023
+            row(name, qt.name, b, torch.float32, secs, w.nbytes(), err, 1e-5)
+    print(f"--- decode: gathered experts ({TOPK} of {N_EXP}); GB/s counts each distinct expert once")
+    for name, qgu, qd in EXPERTS:
+        wg = packed(qgu, (N_EXP, FFN, DIM), gen)
+        wu = packed(qgu, (N_EXP, FFN, DIM), gen)
+        wd = packed(qd, (N_EXP, DIM, FFN), gen)
+        small = [
+            packed(qgu, (8, FFN, DIM), gen),
+            packed(qgu, (8, FFN, DIM), gen),
+            packed(qd, (8, DIM, FFN), gen),
+        ]
+        per_gu = wg.nbytes() // N_EXP
+        per_d = wd.nbytes() // N_EXP
+        for b in batches:
+            ids = torch.stack(
+                [torch.randperm(N_EXP, device=dev, generator=gen)[:TOPK] for _ in range(b)]
+            ).int()
+            uniq = int(torch.unique(ids).numel())
+            x = torch.randn(b, DIM, device=dev, generator=gen)
+            weights = torch.rand(b, TOPK, device=dev, generator=gen)
+            ids8 = ids % 8
+            mid = moe.moe_gate_up(x, small[0], small[1], ids8, 10.0)
+            err = rel_err(mid, ref.moe_gate_up(x, small[0], small[1], ids8, 10.0))
+            fails += err > 1e-5
+            secs = bench(lambda: moe.moe_gate_up(x, wg, wu, ids, 10.0))  # noqa: B023
+            row(name + " gate+up", qgu.name, b, torch.float32, secs, 2 * uniq * per_gu, err, 1e-5)
+            mid = torch.randn(b, TOPK, FFN, device=dev, generator=gen)
+            err = rel_err(
+                moe.moe_down(mid, weights, small[2], ids8), ref.moe_down(mid, weights, small[2], ids8)
+            )
+            fails += err > 1e-5
+            secs = bench(lambda: moe.moe_down(mid, weights, wd, ids))  # noqa: B023
+            row(name + " down", qd.name, b, torch.float32, secs, uniq * per_d, err, 1e-5)
+    print(
+        "--- prefill: qmatmul / moe_grouped, bf16 activations (TFLOP/s; cuBLAS bf16 on a bf16 copy for scale)"
+    )
+    m = 1024 if quick else 4096
+    for name, qt, k, n in DENSE[:2] + [DENSE[3]]:
+        w = packed(qt, (n, k), gen)
+        x = torch.randn(m, k, device=dev, generator=gen).bfloat16()
+        err = rel_err(matmul.qmatmul(x, w), ref.qmatmul(x, w))
+        fails += err > 1e-2
+        secs = bench(lambda: matmul.qmatmul(x, w))  # noqa: B023
+        wb = ref._unpack(w).bfloat16()
+        cublas = bench(lambda: x @ wb.T)  # noqa: B023
+        flops = 2 * m * n * k
+        row(name, qt.name, m, torch.bfloat16, secs, w.nbytes(), err, 1e-2,
+            f"{flops / secs / 1e12:6.1f} TFLOP/s (cuBLAS bf16 {flops / cublas / 1e12:6.1f})")  # fmt: skip
+    tokens = 512 if quick else 2048
+    for name, qgu, _ in EXPERTS:
+        wg = packed(qgu, (N_EXP, FFN, DIM), gen)
+        w8 = packed(qgu, (8, FFN, DIM), gen)  # check on 8 experts (the twin dequantizes whole stacks)
+        ids = torch.stack([torch.randperm(N_EXP, device=dev, generator=gen)[:TOPK] for _ in range(tokens)])
+        x = torch.randn(tokens, DIM, device=dev, generator=gen).bfloat16()
+        order, offsets = moe.group_by_expert(ids % 8, 8)
+        xs = x[order // TOPK]
+        err = rel_err(matmul.moe_grouped(xs, w8, offsets), ref.moe_grouped(xs, w8, offsets))
+        fails += err > 1e-2
+        order, offsets = moe.group_by_expert(ids, N_EXP)
+        xs = x[order // TOPK]
+        secs = bench(lambda: matmul.moe_grouped(xs, wg, offsets))  # noqa: B023
+        flops = 2 * xs.shape[0] * FFN * DIM
+        row(name + " grouped", qgu.name, xs.shape[0], torch.bfloat16, secs, wg.nbytes(), err, 1e-2,
+            f"{flops / secs / 1e12:6.1f} TFLOP/s")  # fmt: skip
+    print("FAILURES:", fails if fails else "none")
+    return 1 if fails else 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Offline compile for sm_90
+
+
+class _Capture:
+    """Stands in for a @triton.jit kernel: records launches instead of running them."""
+
+    def __init__(self, fn, sink):
+        self.fn, self.sink = fn, sink
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.sink.append((self.fn, args, kw))
+
+
+_PTR = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.int8: "*i8",
+    torch.uint8: "*u8",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+
+
+def _compile(fn, args, kw, target):
+    import triton
+    from triton.compiler import ASTSource
+
+    kw = dict(kw)
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    sig, consts, attrs = {}, {}, {}
+    pos = iter(args)
+    for i, (name, p) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
+        if p.is_constexpr:
+            sig[name], consts[name] = "constexpr", kw[name]
+            continue
+        v = next(pos)
+        if isinstance(v, torch.Tensor):
+            sig[name] = _PTR[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    key = (fn.__name__, tuple(sig.values()), tuple(sorted(consts.items())), tuple(sorted(opts.items())))
+    src = ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs)
+    return key, triton.compile(src, target=target, options=opts)
+
+
+def _usage(cubin: bytes) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    line = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "?")
+    keep = [t for t in line.split() if t.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL")]
+    return " ".join(keep)
+
+
+def compile_only() -> int:
+    from triton.backends.compiler import GPUTarget
+
+    from ds4.kernels import matmul, matvec, moe
+
+    sink: list = []
+    for mod in (matvec, moe, matmul):
+        mod.use_triton = lambda t: True
+        for attr in (
+            "_qmv_kernel",
+            "_grouped_mv_kernel",
+            "_gate_up_kernel",
+            "_down_kernel",
+            "_grouped_kernel",
+        ):
+            if hasattr(mod, attr):
+                setattr(mod, attr, _Capture(getattr(mod, attr), sink))
+    gen = torch.Generator().manual_seed(0)
+    k, n = 512, 64
+    for qt in (Q8, F16, Q2K, Q4K, IQ2):
+        w = packed(qt, (n, k), gen)
+        w3 = packed(qt, (4, n, k), gen)
+        for b in (1, 2, 4, 8, 32, 64):
+            for dt in (torch.float32, torch.bfloat16):
+                matvec.qmatvec(torch.randn(b, k).to(dt), w)
+        for dt in (torch.float32, torch.bfloat16):
+            matmul.qmatmul(torch.randn(128, k).to(dt), w)
+            matmul.moe_grouped(torch.randn(128, k).to(dt), w3, torch.tensor([0, 50, 50, 100, 128]).int())
+        matvec.qmatvec_grouped(torch.randn(2, 4, k), w3)
+        ids = torch.tensor([[0, 3], [2, 2]]).int()
+        moe.moe_gate_up(torch.randn(2, k), w3, w3, ids, 10.0)
+        moe.moe_down(torch.randn(2, 2, k), torch.rand(2, 2), w3, ids)
+    target = GPUTarget("cuda", 90, 32)
+    seen = set()
+    failures = 0
+    for fn, args, kw in sink:
+        t0 = time.time()
+        try:
+            key, compiled = _compile(fn, args, kw, target)
+        except Exception as exc:  # report and continue: one broken config must not hide the others
+            failures += 1
+            print(f"FAIL {fn.__name__} {kw}: {type(exc).__name__}: {str(exc)[:400]}")
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        cfg = {c: kw[c] for c in ("QT", "BB", "BN", "BM", "USE_DOT", "num_warps") if c in kw}
+        print(f"{fn.__name__:20s} {str(cfg):80s} {_usage(compiled.asm['cubin'])}  ({time.time() - t0:.1f}s)")
+    print(f"{len(seen)} configurations compiled for sm_90, {failures} failures")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--compile-only", action="store_true", help="compile every config for sm_90 (no GPU needed)"
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer batch sizes and smaller prefill shapes")
+    args = ap.parse_args()
+    if args.compile_only:
+        os.environ.pop("TRITON_INTERPRET", None)
+        return compile_only()
+    if not torch.cuda.is_available():
+        print("no CUDA device: use --compile-only here, or run on the GPU machine", file=sys.stderr)
+        return 2
+    return run_gpu(args.quick)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
