@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from ds4.chat import render_chat_prompt, render_completion_prompt
 from ds4.config import DEFAULT_CTX, SERVER_DEFAULT_MAX_TOKENS, SERVER_KEEPALIVE_S, SERVER_MAX_BODY_BYTES

@@ -162,6 +162,7 @@ class Worker:
         self._stopping = False
         self._last_stored = 0  # continued-store schedule (§5.5)
         self._requests_on_live = 0
+        self.current_job: Job | None = None  # the job being served (tests and diagnostics)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -189,6 +190,7 @@ class Worker:
             job = self._queue.get()
             if job is None:
                 break
+            self.current_job = job
             try:
                 self._serve(job)
             except _Cancelled:
@@ -345,8 +347,9 @@ class Worker:
         pieces: list[str] = []
         finish, n, t0 = "length", 0, time.perf_counter()
         while n < limit:
-            if job.cancel.is_set():
+            if job.cancel.is_set():  # the client went away: not one token more
                 job.cancelled = True
+                self.metrics.cancelled_total += 1
                 finish = "error"
                 break
             token = self.source.next_token(job, session, bool(tracker and tracker.force_greedy))
