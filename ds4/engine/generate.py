@@ -155,28 +155,35 @@ class TextRouter:
         if self.stopped or not piece:
             return []
         self.raw += piece
+        # A match wins only once no earlier-starting partial match can still complete (earliest match rule).
         end = len(self.raw) - _partial_prefix_len(self.raw, self.stop)
         hit = self._find_stop()
-        if hit is not None:
-            self.raw = self.raw[:hit]
-            end = hit
+        if hit is not None and hit[0] <= end:
+            self._cut(*hit)
+            end = hit[0]
+        elif hit is not None:
+            end = min(end, hit[0])
         out = self._split(self.raw[self._released : end], final=False)
         self._released = max(self._released, end)
         self._scan = max(self._scan, end)
         return out
 
     def finish(self) -> list[tuple[str, str]]:
+        hit = None if self.stopped else self._find_stop()
+        if hit is not None:
+            self._cut(*hit)
         out = self._split(self.raw[self._released :], final=True)
         self._released = len(self.raw)
         return out
 
-    def _find_stop(self) -> int | None:
-        best: int | None = None
-        for s in self.stop:
-            i = self.raw.find(s, self._scan)
-            if i >= 0 and (best is None or i < best or (i == best and len(s) > len(self.stop_string or ""))):
-                best, self.stop_string = i, s
-        return best
+    def _find_stop(self) -> tuple[int, str] | None:
+        """(start, stop string) of the earliest complete match at or after the scan point."""
+        found = [(i, s) for s in self.stop if (i := self.raw.find(s, self._scan)) >= 0]
+        return min(found, key=lambda m: (m[0], -len(m[1]))) if found else None
+
+    def _cut(self, start: int, stop: str) -> None:
+        self.raw = self.raw[:start]
+        self.stop_string = stop
 
     def _split(self, text: str, final: bool) -> list[tuple[str, str]]:
         """Thinking split of released text: reasoning until the first </think>, then content."""
