@@ -22,9 +22,9 @@ from . import ref
 from .matvec import _qmv_kernel, check_weight, dot_rows, prep_x, tile_k, use_triton, weight_args
 from .packing import PackedWeight
 
-# Program tile. BM = 64 keeps the dequantized [BN, 256] weight tile + accumulator in registers at 4 warps;
-# tools/gpu/bench_kernels.py times the alternatives.
-BM, BN, WARPS, STAGES = 64, 64, 4, 2
+# Program tile: 64 x 64 with the dequantized [BN, 256] weight tile in registers needs ~220 registers a thread
+# at 4 warps (offline sm_90 compile), so 8 warps. tools/gpu/bench_kernels.py times it.
+BM, BN, WARPS, STAGES = 64, 64, 8, 2
 
 
 def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -238,8 +238,9 @@ def decode_tiles(b: int, x16: bool) -> tuple[int, int, bool]:
 
 
 def split_k(n_programs: int, n_kt: int) -> tuple[int, int]:
-    """(k-tiles per split, splits) so that n_programs * splits reaches TARGET_PROGRAMS when K allows."""
-    want = max(1, min(n_kt, -(-TARGET_PROGRAMS // max(1, n_programs))))
+    """(k-tiles per split, splits) so that n_programs * splits reaches TARGET_PROGRAMS when K allows; a split
+    keeps >= 2 k-tiles (a program's fixed costs need some bytes to hide behind)."""
+    want = max(1, min(n_kt // 2, -(-TARGET_PROGRAMS // max(1, n_programs))))
     per = -(-n_kt // want)
     return per, -(-n_kt // per)
 

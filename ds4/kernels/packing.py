@@ -77,7 +77,10 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in self.data.values())
 
     def to(self, device: torch.device | str) -> PackedWeight:
-        return PackedWeight(self.qtype, self.shape, {k: v.to(device) for k, v in self.data.items()})
+        moved = PackedWeight(self.qtype, self.shape, {k: v.to(device) for k, v in self.data.items()})
+        if self.qtype == GGMLType.IQ2_XXS:
+            iq2xxs_grid_i64(moved.device)  # as in pack: ready before any graph capture
+        return moved
 
 
 def pack(raw: Any, qtype: Any, shape: Any) -> PackedWeight:
@@ -99,6 +102,8 @@ def pack(raw: Any, qtype: Any, shape: Any) -> PackedWeight:
     if qt in PLAIN_DTYPES:
         w = data.clone() if data.data_ptr() % 16 else data  # reinterpreting needs alignment
         return PackedWeight(qt, dims, {"w": w.view(PLAIN_DTYPES[qt]).reshape(rows, k)})
+    if qt == GGMLType.IQ2_XXS:
+        iq2xxs_grid_i64(data.device)  # build the kernels' table now: not during a CUDA-graph capture
     out = _alloc(qt, rows, k, data.device)
     blocks = data.reshape(-1, block_bytes)  # [n, B]
     for b0 in range(0, blocks.shape[0], _CHUNK_BLOCKS):
