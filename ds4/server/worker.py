@@ -23,7 +23,6 @@ from typing import IO, Any, Protocol
 
 from ds4.config import (
     DEFAULT_CTX,
-    KV_CACHE_MIN_TOKENS,
     PREFILL_CHUNK,
     SERVER_DEFAULT_MAX_TOKENS,
     SERVER_KEEPALIVE_S,
@@ -271,7 +270,7 @@ class Worker:
         return 0
 
     def _store_live_on_miss(self) -> None:
-        if self.kv is None or len(self.session.tokens) < KV_CACHE_MIN_TOKENS:
+        if self.kv is None or len(self.session.tokens) < self.kv.min_tokens:
             return
         text = self.tok.decode_bytes(self.session.tokens)
         target = self.kv.evict_target(len(self.session.tokens), self.kv.covered_tokens(text))
