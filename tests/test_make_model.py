@@ -16,6 +16,7 @@ import math
 import struct
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -29,6 +30,12 @@ from ds4.quant.types import GGMLType
 from ds4.tools import make_model, synthetic
 
 VT = gguf.GGUFValueType
+
+
+def shutil_usage(free: int) -> SimpleNamespace:
+    return SimpleNamespace(total=2 * free, used=free, free=free)
+
+
 SEED = 7
 SMALL = replace(TINY, n_vocab=66000)  # 66000 x 256 > CHUNK_ELEMS: token_embd and output span two chunks
 MINI = replace(TINY, n_vocab=4096)
@@ -360,13 +367,18 @@ def test_flash_plan_sizes_without_writing():
     assert torch.equal(chunk, synthetic.generate_chunk(gate.spec, gate.qtype, FLASH, 5, seed=1))
 
 
-def test_cli(tmp_path, capsys):
+def test_cli(tmp_path, capsys, monkeypatch):
     assert make_model.main(["--preset", "flash", "--quant", "q2", "--plan"]) == 0
     assert "80.76 GiB" in capsys.readouterr().err
     assert make_model.main(["--preset", "tiny"]) == 2
     assert "-o/--output" in capsys.readouterr().err
     assert make_model.main(["--preset", "tiny", "--max-bytes", "lots", "-o", str(tmp_path / "x.gguf")]) == 1
     assert "bad size 'lots'" in capsys.readouterr().err
+    monkeypatch.setattr(make_model.shutil, "disk_usage", lambda p: shutil_usage(1 << 20))  # 1 MiB free
+    assert make_model.main(["--preset", "tiny", "--quant", "q2", "-o", str(tmp_path / "big.gguf")]) == 1
+    assert "not enough disk space" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    assert make_model.main(["-o", str(tmp_path / "missing" / "x.gguf")]) == 1
+    assert "output directory does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         make_model.main(["--quant", "q3"])
     assert make_model.parse_size("4G") == 4 << 30 and make_model.parse_size("1.5MiB") == 3 << 19

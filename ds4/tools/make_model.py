@@ -18,6 +18,7 @@ import os
 import queue
 import resource
 import shutil
+import signal
 import struct
 import sys
 import threading
@@ -218,10 +219,13 @@ def _check_disk(path: Path, planned, sparse_experts: bool, max_bytes: int | None
     if max_bytes is not None:
         need = min(need, max_bytes)
     need += 64 << 20  # header
-    free = shutil.disk_usage(path.parent if path.parent.exists() else Path.cwd()).free
+    where = path.parent.resolve()
+    if not where.is_dir():
+        raise OSError(f"output directory does not exist: {where}")
+    free = shutil.disk_usage(where).free
     if need > free:
         raise OSError(
-            f"not enough disk space for {path}: need {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free "
+            f"not enough disk space in {where}: need {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free "
             "(use --sparse-experts or --max-bytes)"
         )
 
@@ -314,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.output:
         print("ds4-make-model: error: -o/--output FILE is required (or use --plan)", file=sys.stderr)
         return 2
+    # A kill (SIGTERM) must still run write_model_atomic's cleanup: a stray temp can be tens of GB.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if in_main else None
     try:
         max_bytes = parse_size(args.max_bytes) if args.max_bytes else None
         stats = write_model_atomic(
@@ -328,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"ds4-make-model: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
     state = "complete" if stats.complete else "PREFIX ONLY (stopped by --max-bytes; not a loadable model)"
     say(
         f"wrote {stats.path}: {stats.file_bytes / 2**30:.3f} GiB file, {state}; "
