@@ -29,6 +29,9 @@ from . import ref
 from .packing import PLAIN_DTYPES, PackedWeight, iq2xxs_grid_i64
 
 TARGET_PROGRAMS = 1024  # ~8 per SM on an H200 (132 SMs): enough loads in flight to reach peak bandwidth
+# Weight rows per program at B = 1 (DECODE_ROWS / BB for BB rows of x). 16 keeps IQ2_XXS at ~100 registers a
+# thread on sm_90 (193 at 32), so more programs fit per SM; bench --sweep times the alternatives.
+DECODE_ROWS = 16
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -118,23 +121,24 @@ def dot_rows(
                 w = tl.reshape(dl[:, :, None] * q - ml[:, :, None], [BN, 128])
                 xcol = k0 + c[:, None] * 64 + 32 * h + j[None, :]
                 acc = _acc_tile(acc, w, x_ptr, xrow, xmask, tl.reshape(xcol, [128]), USE_DOT)
-        elif QT == 16:  # IQ2_XXS: group g of 8 elements (32 per block), k order
-            g = tl.arange(0, 32)
-            j = tl.arange(0, 8)
-            idx = tl.load(w0 + wrow[:, None] * (nb * 32) + kt * 32 + g[None, :])  # [BN, 32] grid indices
-            a1 = tl.load(w1 + wrow[:, None] * (nb * 8) + kt * 8 + (g // 4)[None, :])  # [BN, 32] int32
+        elif QT == 16:  # IQ2_XXS: group g of 8 elements (32 per block), k order; two halves of 16 groups
+            j = tl.arange(0, 8)  # (a [BN, 32, 8] tile at once spills registers in the tensor-core path)
             d = tl.load(w2 + wrow * nb + kt).to(tl.float32)
-            db = d[:, None] * (0.5 + ((a1 >> 28) & 15).to(tl.float32)) * 0.25
-            s = (a1 >> (7 * (g % 4))[None, :]) & 127  # sign index; KSIGNS[s] = s | parity(s) << 7
-            p = s ^ (s >> 4)
-            p = p ^ (p >> 2)
-            p = p ^ (p >> 1)
-            signs = s | ((p & 1) << 7)
-            grid = tl.load(w3 + idx.to(tl.int32))  # [BN, 32] int64: 8 magnitude bytes
-            mag = ((grid[:, :, None] >> (8 * j)[None, None, :]) & 255).to(tl.float32)  # [BN, 32, 8]
-            neg = ((signs[:, :, None] >> j[None, None, :]) & 1) != 0
-            w = tl.reshape(db[:, :, None] * tl.where(neg, -mag, mag), [BN, 256])
-            acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + tl.arange(0, 256), USE_DOT)
+            for h in tl.static_range(2):
+                g = h * 16 + tl.arange(0, 16)
+                idx = tl.load(w0 + wrow[:, None] * (nb * 32) + kt * 32 + g[None, :])  # [BN, 16] grid indices
+                a1 = tl.load(w1 + wrow[:, None] * (nb * 8) + kt * 8 + (g // 4)[None, :])  # [BN, 16] int32
+                db = d[:, None] * (0.5 + ((a1 >> 28) & 15).to(tl.float32)) * 0.25
+                s = (a1 >> (7 * (g % 4))[None, :]) & 127  # sign index; KSIGNS[s] = s | parity(s) << 7
+                p = s ^ (s >> 4)
+                p = p ^ (p >> 2)
+                p = p ^ (p >> 1)
+                signs = s | ((p & 1) << 7)
+                grid = tl.load(w3 + idx.to(tl.int32))  # [BN, 16] int64: 8 magnitude bytes
+                mag = ((grid[:, :, None] >> (8 * j)[None, None, :]) & 255).to(tl.float32)  # [BN, 16, 8]
+                neg = ((signs[:, :, None] >> j[None, None, :]) & 1) != 0
+                w = tl.reshape(db[:, :, None] * tl.where(neg, -mag, mag), [BN, 128])
+                acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + h * 128 + tl.arange(0, 128), USE_DOT)
         else:  # F32 / F16 / BF16
             col = tl.arange(0, TK)
             w = tl.load(w0 + wrow[:, None] * K + k0 + col[None, :]).to(tl.float32)
@@ -233,8 +237,9 @@ def decode_tiles(b: int, x16: bool) -> tuple[int, int, bool]:
     """(BB, BN, use_dot) for a decode-sized batch b; x16: activations are bf16."""
     if b <= 4 or not x16:
         bb = 1 if b <= 1 else (2 if b == 2 else 4)
-        return bb, 32 // bb, False
-    return (16 if b <= 16 else 32 if b <= 32 else 64), 32, True
+        return bb, max(4, DECODE_ROWS // bb), False
+    bb = 16 if b <= 16 else 32 if b <= 32 else 64
+    return bb, 32 if bb <= 32 else 16, True  # [64 x 32] tiles spill on sm_90 for IQ2_XXS
 
 
 def split_k(n_programs: int, n_kt: int) -> tuple[int, int]:

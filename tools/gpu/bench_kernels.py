@@ -1,9 +1,10 @@
 """Check + time the quantized-weight kernels (ds4/kernels: matvec, moe, matmul) at DeepSeek V4 Flash shapes.
 
-On the H200:   python tools/gpu/bench_kernels.py [--quick]
+On the H200:   python tools/gpu/bench_kernels.py [--quick] [--sweep]
   builds random packed weights on the GPU, checks every op against its torch twin (ds4/kernels/ref.py), times
   it with triton.testing.do_bench (median) and prints achieved GB/s of weight bytes vs the 4.3 TB/s ceiling
-  (decode) or TFLOP/s vs cuBLAS bf16 on the same shape (prefill).
+  (decode) or TFLOP/s vs cuBLAS bf16 on the same shape (prefill). --sweep also times the alternatives of
+  the fixed kernel configurations (split-K target, expert rows per program, prefill tile).
 Anywhere (no GPU): python tools/gpu/bench_kernels.py --compile-only
   compiles every launch configuration of the ops for sm_90 with Triton's bundled ptxas and prints registers,
   spills and shared memory per kernel.
@@ -41,6 +42,18 @@ GROUPED = [("o_a 8x(4096->1024)", Q8, 8, 4096, 1024)]
 # (name, gate/up qtype, down qtype); E = 256 experts, k = 6 per row, K = 4096, F = 2048.
 EXPERTS = [("experts iq2/q2k", IQ2, Q2K), ("experts q4k", Q4K, Q4K)]
 N_EXP, TOPK, DIM, FFN = 256, 6, 4096, 2048
+DEV = "cuda"
+PREFILL_M, PREFILL_TOKENS = 4096, 2048  # --quick: 1024, 512
+SMOKE = False
+
+
+def _smoke_setup() -> None:
+    """--smoke: tiny shapes on CPU under Triton's interpreter, one timed call per op (tests this script)."""
+    global DENSE, GROUPED, N_EXP, TOPK, DIM, FFN, DEV, PREFILL_M, PREFILL_TOKENS, SMOKE
+    os.environ["TRITON_INTERPRET"] = "1"
+    DENSE = [(name, qt, 256, 40) for name, qt, _, _ in DENSE]
+    GROUPED = [(name, qt, 2, 256, 24) for name, qt, *_ in GROUPED]
+    N_EXP, TOPK, DIM, FFN, DEV, PREFILL_M, PREFILL_TOKENS, SMOKE = 8, 2, 256, 256, "cpu", 70, 40, True
 
 
 def packed(qtype, shape, gen, std=0.02):
@@ -54,6 +67,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench(fn) -> float:
+    if SMOKE:  # one call: checks the script, times nothing meaningful
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
@@ -72,12 +89,12 @@ def row(name, qtype, b, dtype, secs, nbytes, err, tol, extra=""):
 def run_gpu(quick: bool) -> int:
     from ds4.kernels import matmul, matvec, moe, ref
 
-    dev = torch.device("cuda")
+    dev = torch.device(DEV)
     gen = torch.Generator(dev).manual_seed(0)
     batches = (1, 8) if quick else (1, 8, 32)
     fails = 0
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}  torch {torch.__version__}")
     print("--- decode: dense qmatvec (time includes the split-K sum)")
     for name, qt, k, n in DENSE:
         w = packed(qt, (n, k), gen)
@@ -131,7 +148,7 @@ def run_gpu(quick: bool) -> int:
     print(
         "--- prefill: qmatmul / moe_grouped, bf16 activations (TFLOP/s; cuBLAS bf16 on a bf16 copy for scale)"
     )
-    m = 1024 if quick else 4096
+    m = min(1024, PREFILL_M) if quick else PREFILL_M
     for name, qt, k, n in DENSE[:2] + [DENSE[3]]:
         w = packed(qt, (n, k), gen)
         x = torch.randn(m, k, device=dev, generator=gen).bfloat16()
@@ -143,7 +160,7 @@ def run_gpu(quick: bool) -> int:
         flops = 2 * m * n * k
         row(name, qt.name, m, torch.bfloat16, secs, w.nbytes(), err, 1e-2,
             f"{flops / secs / 1e12:6.1f} TFLOP/s (cuBLAS bf16 {flops / cublas / 1e12:6.1f})")  # fmt: skip
-    tokens = 512 if quick else 2048
+    tokens = min(512, PREFILL_TOKENS) if quick else PREFILL_TOKENS
     for name, qgu, _ in EXPERTS:
         wg = packed(qgu, (N_EXP, FFN, DIM), gen)
         w8 = packed(qgu, (8, FFN, DIM), gen)  # check on 8 experts (the twin dequantizes whole stacks)
@@ -161,6 +178,78 @@ def run_gpu(quick: bool) -> int:
             f"{flops / secs / 1e12:6.1f} TFLOP/s")  # fmt: skip
     print("FAILURES:", fails if fails else "none")
     return 1 if fails else 0
+
+
+def sweep() -> None:
+    """Time the fixed configuration knobs of the kernels (module constants) on representative shapes."""
+    from ds4.kernels import matmul, matvec, moe
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(1)
+    saved = (
+        matvec.TARGET_PROGRAMS,
+        moe._BN,
+        (matmul.BM, matmul.BN, matmul.WARPS, matmul.STAGES),
+        matvec.DECODE_ROWS,
+    )
+    print("--- sweep: matvec.TARGET_PROGRAMS (split-K), B = 1, x f32")
+    for name, qt, k, n in (DENSE[0], DENSE[2], DENSE[3], DENSE[4]):
+        w = packed(qt, (n, k), gen)
+        x = torch.randn(1, k, device=dev, generator=gen)
+        for target in (128, 256, 512, 1024, 2048, 4096):
+            matvec.TARGET_PROGRAMS = target
+            secs = bench(lambda: matvec.qmatvec(x, w))  # noqa: B023
+            print(f"{name:16s} target {target:5d}: {secs * 1e6:8.1f} us {w.nbytes() / secs / 1e9:7.0f} GB/s")
+    matvec.TARGET_PROGRAMS = saved[0]
+    print("--- sweep: matvec.DECODE_ROWS (weight rows per program), B = 1, x f32")
+    for qt in (Q8, IQ2, Q2K, Q4K, F16):
+        w = packed(qt, (2048, 4096), gen)
+        x = torch.randn(1, 4096, device=dev, generator=gen)
+        for rows in (8, 16, 32, 64):
+            matvec.DECODE_ROWS = rows
+            secs = bench(lambda: matvec.qmatvec(x, w))  # noqa: B023
+            gbs = w.nbytes() / secs / 1e9
+            print(f"{qt.name:8s} 4096->2048 rows {rows:3d}: {secs * 1e6:8.1f} us {gbs:7.0f} GB/s")
+    matvec.DECODE_ROWS = saved[3]
+    print("--- sweep: moe._BN (rows per program), 6 of 256 experts")
+    wg = packed(IQ2, (N_EXP, FFN, DIM), gen)
+    wd = packed(Q2K, (N_EXP, DIM, FFN), gen)
+    for b in (1, 8):
+        ids = torch.stack([torch.randperm(N_EXP, device=dev, generator=gen)[:TOPK] for _ in range(b)]).int()
+        x = torch.randn(b, DIM, device=dev, generator=gen)
+        mid = torch.randn(b, TOPK, FFN, device=dev, generator=gen)
+        weights = torch.rand(b, TOPK, device=dev, generator=gen)
+        for bn in (8, 16, 32, 64):
+            moe._BN = bn
+            t_gu = bench(lambda: moe.moe_gate_up(x, wg, wg, ids, 10.0))  # noqa: B023
+            t_d = bench(lambda: moe.moe_down(mid, weights, wd, ids))  # noqa: B023
+            print(f"B={b:<3d} BN {bn:3d}: gate+up {t_gu * 1e6:8.1f} us  down {t_d * 1e6:8.1f} us")
+    moe._BN = saved[1]
+    print("--- sweep: matmul (BM, BN, warps, stages), bf16 x, M = 4096")
+    w = packed(Q8, (1024, 4096), gen)
+    x = torch.randn(4096, 4096, device=dev, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(N_EXP, device=dev, generator=gen)[:TOPK] for _ in range(1024)])
+    order, offsets = moe.group_by_expert(ids, N_EXP)
+    xs = torch.randn(1024, DIM, device=dev, generator=gen).bfloat16()[order // TOPK]
+    for cfg in (
+        (64, 64, 4, 2),
+        (64, 64, 8, 2),
+        (64, 64, 8, 3),
+        (128, 64, 8, 2),
+        (64, 128, 8, 2),
+        (128, 128, 8, 3),
+    ):
+        matmul.BM, matmul.BN, matmul.WARPS, matmul.STAGES = cfg
+        try:
+            t_mm = bench(lambda: matmul.qmatmul(x, w))
+            t_g = bench(lambda: matmul.moe_grouped(xs, wg, offsets))
+        except Exception as exc:  # e.g. out of shared memory / registers for a large tile
+            print(f"{cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        tf_mm = 2 * 4096 * 1024 * 4096 / t_mm / 1e12
+        tf_g = 2 * xs.shape[0] * FFN * DIM / t_g / 1e12
+        print(f"{cfg}: qmatmul Q8_0 {tf_mm:6.1f} TFLOP/s   moe_grouped IQ2_XXS {tf_g:6.1f} TFLOP/s")
+    matmul.BM, matmul.BN, matmul.WARPS, matmul.STAGES = saved[2]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,14 +377,22 @@ def main() -> int:
         "--compile-only", action="store_true", help="compile every config for sm_90 (no GPU needed)"
     )
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes and smaller prefill shapes")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative kernel configurations")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under Triton's interpreter")
     args = ap.parse_args()
     if args.compile_only:
         os.environ.pop("TRITON_INTERPRET", None)
         return compile_only()
+    if args.smoke:
+        _smoke_setup()
+        return run_gpu(quick=True)
     if not torch.cuda.is_available():
         print("no CUDA device: use --compile-only here, or run on the GPU machine", file=sys.stderr)
         return 2
-    return run_gpu(args.quick)
+    rc = run_gpu(args.quick)
+    if args.sweep:
+        sweep()
+    return rc
 
 
 if __name__ == "__main__":
