@@ -254,10 +254,11 @@ class Driver:
         return out
 
 
-def run(a: argparse.Namespace, out) -> list[dict]:
+def run(a: argparse.Namespace, out, loaded: Loaded | None = None) -> list[dict]:
+    """The sweep; writes CSV rows to `out` as they come. `loaded` reuses an already built model."""
     from ds4.engine.snapshot import payload_size
 
-    loaded = load(a)
+    loaded = loaded or load(a)
     tokens, model = loaded.tokens, loaded.model
     if len(tokens) < a.ctx_max:
         raise BenchError(f"prompt too short: {len(tokens)} tokens, --ctx-max needs at least {a.ctx_max}")

@@ -176,7 +176,7 @@ def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_f
             qi, wts = _indexer_query(w.indexer, qn, xn, pos, inv_freq)  # [1, Hi, Di], [1, Hi]
             score = ((qi[0] @ kv.index.T).relu() * wts[0, :, None]).sum(0)  # [cap]
             score = score.masked_fill(~rows_valid, float("-inf"))
-            top = score.topk(shape.indexer_topk).indices  # [k]
+            top = _top_rows(score, shape.indexer_topk)  # [k]
             keys.append(kv.comp.index_select(0, top))
             valid.append(rows_valid.index_select(0, top))
         else:
@@ -214,6 +214,12 @@ def _chunk_rows(w, xn, p0, r, fk, fs, out_rows, inv_freq, eps, n_rot, indexer) -
         out_rows[n0 : n0 + K] = _finish_rows(w, pooled, starts, inv_freq, eps, n_rot, indexer)
 
 
+def _top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim, ties to the lower row (FP4-quantized scores tie
+    often, e.g. at exactly 0 after the ReLU); a stable descending sort, like the CPU reference."""
+    return score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def _indexer_pick(w, qn, xn, positions, rows, topk, inv_freq):
     """(idx [T, k], valid [T, k]): each token's visible compressed rows, or its top-k by indexer score."""
     T, C = positions.shape[0], rows.shape[0]
@@ -231,8 +237,8 @@ def _indexer_pick(w, qn, xn, positions, rows, topk, inv_freq):
         per_head = torch.einsum("thd,cd->thc", qi[a:b], rows).relu()  # [B, Hi, C]
         score = torch.einsum("thc,th->tc", per_head, wts[a:b])
         score = score.masked_fill(ar[None, :] >= counts[a:b, None], float("-inf"))
-        top = score.topk(topk, dim=-1)
-        idx[a:b], valid[a:b] = top.indices, top.values > float("-inf")
+        top = _top_rows(score, topk)
+        idx[a:b], valid[a:b] = top, score.gather(-1, top) > float("-inf")
     return idx, valid
 
 
