@@ -255,9 +255,11 @@ def resolve_model_path(model: str | None) -> Path:
     """-m PATH; -m tiny -> the cached tiny synthetic model; no -m -> ./ds4flash.gguf if present."""
     if model == config.TINY_MODEL_ALIAS:
         try:
-            from ds4.tools.make_model import ensure_tiny_model  # builds it once (seconds)
+            from ds4.tools.make_model import ensure_tiny_model, tiny_model_path  # builds it once (seconds)
         except ImportError as e:
             raise UsageError(f"-m tiny needs ds4.tools.make_model, which failed to import: {e}") from None
+        if not tiny_model_path().exists():
+            print(f"ds4: building the tiny test model once: {tiny_model_path()}", file=sys.stderr)
         return Path(ensure_tiny_model())
     if model is not None:
         return Path(model)

@@ -107,14 +107,20 @@ class Chat:
         append_message_ids(self.tok, self.transcript, "user", text)
         self.transcript += assistant_prefix_ids(self.tok, mode)
         params = GenerateParams(max_tokens=self.args.tokens, sampling=sampling_params(self.args))
-        fin = run_generation(
-            self.session,
-            list(self.transcript),
-            params,
-            StreamPrinter(sys.stdout),
-            rng=self.rng,
-            on_token=self.transcript.append,
-        )
+        try:
+            fin = run_generation(
+                self.session,
+                list(self.transcript),
+                params,
+                StreamPrinter(sys.stdout),
+                rng=self.rng,
+                on_token=self.transcript.append,
+            )
+        except KeyboardInterrupt:  # a second Ctrl+C inside a forward pass: the KV is gone, drop the turn
+            del self.transcript[rollback:]
+            self.session.reset()
+            print("\nds4: interrupted; the turn was dropped", file=sys.stderr)
+            return
         prefill_failed = fin.reason == "error" and fin.timing.ttft_s is None
         if prefill_failed or (fin.reason == "cancelled" and not fin.tokens):
             del self.transcript[rollback:]  # the session no longer matches: sync rebuilds next turn
