@@ -67,9 +67,10 @@ class ScriptSource:
         self.tok, self.script = tokenizer, script
         self.gate: Callable[[Job, int], None] | None = None
         self.last_request: Request | None = None
+        self.last_job: Job | None = None
 
     def start(self, job: Job) -> None:
-        self.last_request = job.request
+        self.last_request, self.last_job = job.request, job
         job.stats["script"] = self.tok.encode_chat(self.script(job.request)) + [self.tok.eos_id]
         job.stats["emitted"] = 0
 
@@ -79,6 +80,7 @@ class ScriptSource:
             self.gate(job, n)
         script = job.stats["script"]
         job.stats["emitted"] = n + 1
+        job.stats.setdefault("greedy", []).append(greedy)
         return script[n] if n < len(script) else self.tok.eos_id
 
 

@@ -282,6 +282,34 @@ def test_responses_function_call_stream_and_replay(srv) -> None:
     assert _prefill(srv) - before <= 30
 
 
+def _oracle_greedy(prefix: str) -> bool:
+    """Independent §2.8 rule for the scripted block: structure (tags, non-string values) is greedy; raw
+    string values are sampled, except while a partial closing tag of >= 2 chars is pending."""
+    start = prefix.find(f"<{D}tool_calls>")
+    if start < 0:
+        return False
+    block = prefix[start:]
+    close = f"</{D}parameter>"
+    value_at = block.rfind('string="true">')
+    if value_at >= 0 and block.find(close, value_at) < 0:
+        body = block[value_at + len('string="true">') :]
+        return any(body.endswith(close[:k]) for k in range(2, len(close)))
+    return True
+
+
+def test_greedy_for_structure_flags(srv) -> None:
+    tok = srv.source.tok
+    oai(srv).chat.completions.create(
+        model="deepseek-v4-flash", messages=[{"role": "user", "content": "x"}], tools=[BASH_OPENAI]
+    )
+    ids = tok.encode_chat(REASONING + "</think>" + "Checking." + RAW_BLOCK)
+    flags = srv.source.last_job.stats["greedy"]
+    expected = [_oracle_greedy(tok.decode(ids[:n])) for n in range(len(flags))]
+    assert flags == expected
+    in_block = flags[flags.index(True) :]
+    assert not all(in_block) and any(in_block)  # the command text is sampled, the tags are greedy
+
+
 # ---- bad input --------------------------------------------------------------------------------------
 
 GOOD = {
@@ -405,7 +433,7 @@ def test_disconnect_mid_stream_stops_within_one_token(tok: Tokenizer) -> None:
         def gate(job, n: int) -> None:
             if n == 5:
                 held.set()
-                job.cancel.wait(20)  # hold the decode loop until the server sees the client leave
+                job.cancel.wait(60)  # hold the decode loop until the server sees the client leave
 
         s.source.gate = gate
         before = s.session.stats.decode_tokens
@@ -430,7 +458,7 @@ def test_disconnect_during_prefill_stops_prefill(tok: Tokenizer) -> None:
         def sync_gate(tokens: list[int]) -> None:
             calls.append(len(tokens))
             if len(calls) == 2:
-                s.worker.current_job.cancel.wait(20)
+                s.worker.current_job.cancel.wait(60)
 
         s.session.sync_gate = sync_gate
         with httpx.Client(base_url=s.base, timeout=30) as h:

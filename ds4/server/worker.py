@@ -170,7 +170,11 @@ class Worker:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, end the current generation (finish=error), finish the queued ones, join."""
         self._stopping = True
+        job = self.current_job
+        if job is not None and not job.finished.is_set():
+            job.cancel.set()
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
@@ -316,17 +320,25 @@ class Worker:
             anchor = chat_anchor(tokens, self.tok.user_id, self.tok.assistant_id)
             stops = dict(self.kv.prefill_stops(len(tokens), reused, self._last_stored, anchor))
         step = max(1, self.opt.prefill_chunk)
-        ends = set(range(reused + step, len(tokens), step)) | {len(tokens)} | set(stops)
+        first = (reused // step + 1) * step  # chunk ends at absolute multiples of the chunk size
+        ends = set(range(first, len(tokens), step)) | {len(tokens)} | set(stops)
+        keep = getattr(self.session, "keep_checkpoint", None)
         last_beat = time.monotonic()
-        for end in sorted(e for e in ends if reused < e <= len(tokens)):
-            if job.cancel.is_set():
-                raise _Cancelled
-            self.session.sync(tokens[:end])
-            if end in stops:
-                self._store(int(stops[end]))
-            if time.monotonic() - last_beat >= self.opt.keepalive_s:
-                job.emit(Keepalive())
-                last_beat = time.monotonic()
+        try:
+            for end in sorted(e for e in ends if reused < e <= len(tokens)):
+                if job.cancel.is_set():  # the client is gone: keep what was prefilled, stop here
+                    raise _Cancelled
+                if keep is not None:  # only the whole prompt is worth a rewind checkpoint
+                    self.session.keep_checkpoint = keep and end == len(tokens)  # type: ignore[attr-defined]
+                self.session.sync(tokens[:end])
+                if end in stops:
+                    self._store(int(stops[end]))
+                if time.monotonic() - last_beat >= self.opt.keepalive_s:
+                    job.emit(Keepalive())
+                    last_beat = time.monotonic()
+        finally:
+            if keep is not None:
+                self.session.keep_checkpoint = keep  # type: ignore[attr-defined]
         if reused >= len(tokens):
             self.session.sync(tokens)  # nothing to prefill; makes the checkpoint current
         return min(reused, len(tokens))
