@@ -12,8 +12,8 @@ import pytest
 import torch
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
-from ds4.kernels import matmul, moe, ref
-from ds4.kernels.packing import pack
+from ds4.kernels import matmul, matvec, moe, ref
+from ds4.kernels.packing import PackedWeight, pack
 from ds4.model.moe import swiglu
 from ds4.quant import GGMLType, dequantize, random_blocks
 
@@ -33,7 +33,7 @@ def stack(qtype, shape, seed):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_moe_gate_up(qtype):
-    F, K = 40, 256  # F: a partial output tile
+    F, K = 24, 256  # F: a partial output tile
     (wg, raw_g), (wu, raw_u) = stack(qtype, (E, F, K), 1), stack(qtype, (E, F, K), 2)
     ids = torch.tensor(IDS, dtype=torch.int32, device=DEVICE)
     x = torch.randn(3, K, generator=generator(3), device=DEVICE)
@@ -59,7 +59,7 @@ def test_moe_gate_up_no_clamp_bf16_input():
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_moe_down(qtype):
-    D, F = 40, 256
+    D, F = 24, 256
     wd, raw = stack(qtype, (E, D, F), 7)
     ids = torch.tensor(IDS, dtype=torch.int32, device=DEVICE)
     gen = generator(8)
@@ -148,3 +148,40 @@ def test_moe_flash_widths_cuda(qgu, qd):
     order, offsets = moe.group_by_expert(ids, 8)
     xs = torch.randn(1000, K, generator=gen, device=DEVICE).bfloat16()[order // 6]
     assert rel_err(matmul.moe_grouped(xs, wg, offsets), ref.moe_grouped(xs, wg, offsets)) < BF16_TOL
+
+
+@pytest.mark.cuda
+def test_decode_ops_capture_in_cuda_graph():
+    """The decode ops read expert ids from device memory: capture once, change the ids in place, replay."""
+    F, K = 512, 1024
+    wg, _ = stack(GGMLType.IQ2_XXS, (8, F, K), 15)
+    wu, _ = stack(GGMLType.IQ2_XXS, (8, F, K), 16)
+    wd, _ = stack(GGMLType.Q2_K, (8, K, F), 17)
+    wq, _ = stack(GGMLType.Q8_0, (1, 256, K), 18)
+    gen = generator(19)
+    x = torch.randn(2, K, generator=gen, device=DEVICE)
+    ids = torch.randint(0, 8, (2, 6), generator=gen, device=DEVICE).int()
+    weights = torch.rand(2, 6, generator=gen, device=DEVICE)
+
+    def step():
+        mid = moe.moe_gate_up(x, wg, wu, ids, 10.0)
+        dense = matvec.qmatvec(x, _first(wq))
+        return moe.moe_down(mid, weights, wd, ids), dense
+
+    step()  # compile + load the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, dense = step()
+    ids.copy_(torch.randint(0, 8, (2, 6), generator=gen, device=DEVICE).int())
+    x.copy_(torch.randn(2, K, generator=gen, device=DEVICE))
+    graph.replay()
+    want = ref.moe_down(ref.moe_gate_up(x, wg, wu, ids, 10.0), weights, wd, ids)
+    assert rel_err(out, want) < F32_TOL
+    assert rel_err(dense, ref.qmatvec(x, _first(wq))) < F32_TOL
+
+
+def _first(w):
+    """Expert 0 of a stack as a 2-D PackedWeight (views of the same arrays)."""
+    rows = w.shape[1]
+    return PackedWeight(w.qtype, w.shape[1:], {k: v[:rows] for k, v in w.data.items()})

@@ -1,8 +1,19 @@
 """Triton kernels of the CUDA fast path, one module per family, each with a plain-torch twin in ref.py.
 
-Quantized-weight ops (packing, matvec, moe, matmul): weights are repacked once by ``packing.pack`` and stay
-quantized on the GPU; every op dispatches to Triton on CUDA tensors (or under TRITON_INTERPRET=1) and to its
-ref twin on CPU.
+Quantized-weight ops: weights are repacked once by ``packing.pack`` and stay quantized on the GPU; every op
+dispatches to Triton on CUDA tensors (or under TRITON_INTERPRET=1) and to its ref twin on CPU. All outputs are
+f32; ids are read on the device (no host syncs: CUDA-graph capturable once the kernels are compiled).
+
+  packing.pack(raw, qtype, shape) -> PackedWeight; packing.unpack(pw) -> f32 (bit-exact dequant)
+  matvec.qmatvec(x [B, K], W [N, K]) -> [B, N]                 decode; f32-exact, or bf16 MMA if x bf16, B > 4
+  matvec.qmatvec_grouped(x [B, G, K], W [G, N, K]) -> [B, G, N]  per-group matrices (attention o_a)
+  moe.moe_gate_up(x [B, K], Wg, Wu [E, F, K], ids [B, k], clamp) -> mid [B, k, F]   unweighted SwiGLU
+  moe.moe_down(mid [B, k, F], weights [B, k], Wd [E, D, F], ids) -> [B, D]       router weights applied here
+  moe.group_by_expert(ids [T, k], E) -> (order [T*k], offsets [E+1])             for the grouped GEMM
+  matmul.qmatmul(x [M, K], W [N, K]) -> [M, N]                 prefill; bf16 tensor cores
+  matmul.moe_grouped(x_sorted [M, K], W [E, N, K], offsets [E+1]) -> [M, N]     prefill; bf16 tensor cores
+Supported weight types: F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS (row length a multiple of 256 for K-quants,
+of 16 otherwise).
 """
 
 from __future__ import annotations

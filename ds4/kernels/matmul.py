@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import ref
-from .matvec import _qmv_kernel, check_weight, dot_rows, prep_x, tile_k, use_triton, weight_args
+from .matvec import _qmv_kernel, check_weight, dot_rows, prep_x, sub_width, tile_k, use_triton, weight_args
 from .packing import PackedWeight
 
 # Program tile: 64 x 64 with the dequantized [BN, 256] weight tile in registers needs ~220 registers a thread
@@ -43,7 +43,7 @@ def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), 1)
     _qmv_kernel[grid](
         x, *weight_args(w), out, M, N, K, x.stride(0), K // tk,
-        QT=int(w.qtype), BB=BM, BN=BN, TK=tk, USE_DOT=True,
+        QT=int(w.qtype), BB=BM, BN=BN, TK=tk, SW=sub_width(w, tk), USE_DOT=True,
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out
@@ -67,6 +67,7 @@ def _grouped_kernel(
     QT: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
+    SW: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -79,9 +80,8 @@ def _grouped_kernel(
     rmask = rows < r_end
     n = pid_n * BN + tl.arange(0, BN)
     wrow = e.to(tl.int64) * N + tl.minimum(n, N - 1)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc = dot_rows(acc, w0, w1, w2, w3, wrow, x_ptr, rows.to(tl.int64) * stride_x, rmask, 0, K // TK, K,
-                   QT, BN, TK, True)  # fmt: skip
+    acc = dot_rows(w0, w1, w2, w3, wrow, x_ptr, rows.to(tl.int64) * stride_x, rmask, 0, K // TK, K,
+                   QT, BM, BN, TK, SW, True)  # fmt: skip
     out = out_ptr + rows[:, None].to(tl.int64) * N + n[None, :]
     tl.store(out, acc, mask=rmask[:, None] & (n < N)[None, :])
 
@@ -127,7 +127,7 @@ def moe_grouped(x_sorted: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) 
     grid = (triton.cdiv(N, BN), tile_e.numel())
     _grouped_kernel[grid](
         x, *weight_args(w), out, tile_e, tile_r0, offsets.to(torch.int32), N, K, x.stride(0),
-        BM=BM, QT=int(w.qtype), BN=BN, TK=tile_k(w),
+        BM=BM, QT=int(w.qtype), BN=BN, TK=tile_k(w), SW=sub_width(w, tile_k(w)),
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out

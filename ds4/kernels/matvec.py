@@ -45,18 +45,21 @@ def use_triton(t: torch.Tensor) -> bool:
 
 @triton.jit
 def _acc_tile(acc, w, x_ptr, xrow, xmask, xcol, USE_DOT: tl.constexpr):
-    """acc[BB, BN] += x[xrow, xcol] @ w^T with w [BN, TK] f32 already dequantized (USE_DOT: x is bf16)."""
-    x = tl.load(x_ptr + xrow[:, None] + xcol[None, :], mask=xmask[:, None], other=0.0)  # [BB, TK]
+    """Add x[xrow, xcol] (x) w for a dequantized tile w [BN, SW] f32.
+
+    USE_DOT (x bf16): acc [BB, BN] += x @ w^T on tensor cores. Else acc [BB, BN, SW] += x * w: per-lane
+    partial sums, reduced once after the k loop (no cross-thread reduction inside the loop).
+    """
+    x = tl.load(x_ptr + xrow[:, None] + xcol[None, :], mask=xmask[:, None], other=0.0)  # [BB, SW]
     if USE_DOT:
         acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
     else:
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
     return acc
 
 
 @triton.jit
 def dot_rows(
-    acc,
     w0,
     w1,
     w2,
@@ -69,15 +72,22 @@ def dot_rows(
     kt_hi,
     K,
     QT: tl.constexpr,
+    BB: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
+    SW: tl.constexpr,
     USE_DOT: tl.constexpr,
 ):
-    """acc[BB, BN] += x[xrow, k] * W[wrow, k] summed over k-tiles [kt_lo, kt_hi) of TK elements.
+    """[BB, BN] f32 = sum over k-tiles [kt_lo, kt_hi) of TK elements of x[xrow, k] * W[wrow, k].
 
     w0..w3: the packed arrays (plain: w; Q8_0: qs, d; Q2_K/Q4_K: qs, sc, dm; IQ2_XXS: qs, sg, d, grid table).
     wrow [BN] int64 weight rows (always valid: callers clamp), xrow [BB] int64 element offsets of x rows.
+    SW: width of the dequantized sub-tiles (sub_width()).
     """
+    if USE_DOT:
+        acc = tl.zeros([BB, BN], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BB, BN, SW], dtype=tl.float32)
     nb = K // 256  # super-blocks per row (K-quants)
     for kt in range(kt_lo, kt_hi):
         k0 = kt * TK
@@ -143,7 +153,11 @@ def dot_rows(
             col = tl.arange(0, TK)
             w = tl.load(w0 + wrow[:, None] * K + k0 + col[None, :]).to(tl.float32)
             acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + col, USE_DOT)
-    return acc
+    if USE_DOT:
+        out = acc
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,6 +184,11 @@ def tile_k(w: PackedWeight) -> int:
         if w.K % tk == 0:
             return tk
     raise ValueError(f"{w.qtype.name} kernels need a row length that is a multiple of 16, got K={w.K}")
+
+
+def sub_width(w: PackedWeight, tk: int) -> int:
+    """Width of the tiles dot_rows dequantizes at once (its SW)."""
+    return {GGMLType.Q2_K: 64, GGMLType.Q4_K: 128, GGMLType.IQ2_XXS: 128}.get(w.qtype, tk)
 
 
 def prep_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
@@ -213,6 +232,7 @@ def _qmv_kernel(
     BB: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
+    SW: tl.constexpr,
     USE_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -224,9 +244,8 @@ def _qmv_kernel(
     bmask = b < B
     kt_lo = pid_s * kt_per_split
     kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
-    acc = tl.zeros([BB, BN], dtype=tl.float32)
     acc = dot_rows(
-        acc, w0, w1, w2, w3, wrow, x_ptr, b.to(tl.int64) * stride_x, bmask, kt_lo, kt_hi, K, QT, BN, TK,
+        w0, w1, w2, w3, wrow, x_ptr, b.to(tl.int64) * stride_x, bmask, kt_lo, kt_hi, K, QT, BB, BN, TK, SW,
         USE_DOT,
     )  # fmt: skip
     out = out_ptr + pid_s.to(tl.int64) * B * N + b[:, None].to(tl.int64) * N + n[None, :]
@@ -267,7 +286,7 @@ def qmatvec(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     grid = (triton.cdiv(N, bn), triton.cdiv(B, bb), splits)
     _qmv_kernel[grid](
         x, *weight_args(w), out, B, N, K, x.stride(0), per,
-        QT=_qtype_code(w), BB=bb, BN=bn, TK=tk, USE_DOT=use_dot, num_warps=4,
+        QT=_qtype_code(w), BB=bb, BN=bn, TK=tk, SW=sub_width(w, tk), USE_DOT=use_dot, num_warps=4,
     )  # fmt: skip
     return out[0] if splits == 1 else out.sum(0)
 
@@ -290,6 +309,7 @@ def _grouped_mv_kernel(
     QT: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
+    SW: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)  # = b * G + group
@@ -297,8 +317,7 @@ def _grouped_mv_kernel(
     wrow = (pair % G).to(tl.int64) * N + tl.minimum(n, N - 1)
     xrow = tl.zeros([1], dtype=tl.int64) + pair.to(tl.int64) * K
     xmask = tl.full([1], 1, tl.int1)
-    y = dot_rows(tl.zeros([1, BN], tl.float32), w0, w1, w2, w3, wrow, x_ptr, xrow, xmask, 0, K // TK, K,
-                 QT, BN, TK, False)  # fmt: skip
+    y = dot_rows(w0, w1, w2, w3, wrow, x_ptr, xrow, xmask, 0, K // TK, K, QT, 1, BN, TK, SW, False)
     tl.store(out_ptr + pair.to(tl.int64) * N + n[None, :], y, mask=(n < N)[None, :])
 
 
@@ -317,7 +336,17 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return out
     bn = 16
     _grouped_mv_kernel[(triton.cdiv(N, bn), B * G)](
-        x2, *weight_args(w), out, G, N, K, QT=_qtype_code(w), BN=bn, TK=tile_k(w), num_warps=4
+        x2,
+        *weight_args(w),
+        out,
+        G,
+        N,
+        K,
+        QT=_qtype_code(w),
+        BN=bn,
+        TK=tile_k(w),
+        SW=sub_width(w, tile_k(w)),
+        num_warps=4,
     )
     return out
 

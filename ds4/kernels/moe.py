@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import ref
-from .matvec import check_weight, dot_rows, prep_x, tile_k, use_triton, weight_args
+from .matvec import check_weight, dot_rows, prep_x, sub_width, tile_k, use_triton, weight_args
 from .packing import PackedWeight
 
 _BN = 16  # output rows per program: 16 x (B*k) programs keeps the GPU busy even at B = 1
@@ -48,6 +48,7 @@ def _gate_up_kernel(
     QT: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
+    SW: tl.constexpr,
     CLAMP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -57,10 +58,8 @@ def _gate_up_kernel(
     wrow = e * F + tl.minimum(n, F - 1)
     xrow = tl.zeros([1], dtype=tl.int64) + (pair // n_slots).to(tl.int64) * stride_x
     xmask = tl.full([1], 1, tl.int1)
-    g = dot_rows(tl.zeros([1, BN], tl.float32), g0, g1, g2, g3, wrow, x_ptr, xrow, xmask, 0, K // TK, K,
-                 QT, BN, TK, False)  # fmt: skip
-    u = dot_rows(tl.zeros([1, BN], tl.float32), u0, u1, u2, u3, wrow, x_ptr, xrow, xmask, 0, K // TK, K,
-                 QT, BN, TK, False)  # fmt: skip
+    g = dot_rows(g0, g1, g2, g3, wrow, x_ptr, xrow, xmask, 0, K // TK, K, QT, 1, BN, TK, SW, False)
+    u = dot_rows(u0, u1, u2, u3, wrow, x_ptr, xrow, xmask, 0, K // TK, K, QT, 1, BN, TK, SW, False)
     if CLAMP:
         g = tl.minimum(g, clamp)  # the gate has no lower bound (§5.5)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
@@ -83,6 +82,7 @@ def _down_kernel(
     QT: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
+    SW: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
@@ -92,8 +92,7 @@ def _down_kernel(
     wrow = e * D + tl.minimum(n, D - 1)
     xrow = tl.zeros([1], dtype=tl.int64) + pair.to(tl.int64) * F
     xmask = tl.full([1], 1, tl.int1)
-    y = dot_rows(tl.zeros([1, BN], tl.float32), w0, w1, w2, w3, wrow, mid_ptr, xrow, xmask, 0, F // TK, F,
-                 QT, BN, TK, False)  # fmt: skip
+    y = dot_rows(w0, w1, w2, w3, wrow, mid_ptr, xrow, xmask, 0, F // TK, F, QT, 1, BN, TK, SW, False)
     tl.store(out_ptr + pair.to(tl.int64) * D + n[None, :], y * rw, mask=(n < D)[None, :])
 
 
@@ -126,7 +125,7 @@ def moe_gate_up(
     grid = (triton.cdiv(F, _BN), B * k)
     _gate_up_kernel[grid](
         x, *weight_args(wg), *weight_args(wu), ids, out, k, F, K, x.stride(0), float(clamp),
-        QT=int(wg.qtype), BN=_BN, TK=tile_k(wg), CLAMP=clamp > 0, num_warps=4,
+        QT=int(wg.qtype), BN=_BN, TK=tile_k(wg), SW=sub_width(wg, tile_k(wg)), CLAMP=clamp > 0, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -153,7 +152,7 @@ def moe_down(mid: torch.Tensor, weights: torch.Tensor, wd: PackedWeight, ids: to
     grid = (triton.cdiv(D, _BN), B * k)
     _down_kernel[grid](
         mid, *weight_args(wd), ids, weights.float().contiguous(), part, D, F,
-        QT=int(wd.qtype), BN=_BN, TK=tile_k(wd), num_warps=4,
+        QT=int(wd.qtype), BN=_BN, TK=tile_k(wd), SW=sub_width(wd, tile_k(wd)), num_warps=4,
     )  # fmt: skip
     return part.sum(1)  # fixed order over the k slots: deterministic
 
