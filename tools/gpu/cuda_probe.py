@@ -53,6 +53,16 @@ def main() -> None:
     print("prefill", res["prefill_8k_tps"], flush=True)
 
     first = int(logits.argmax())
+    from ds4.model.cuda import fused
+
+    with torch.inference_mode():  # compiled + graph decode step vs plain eager, same state
+        fused.SWITCH.enabled, m.graphs = False, False
+        la = m.forward(st.clone(), [first])
+        fused.SWITCH.enabled, m.graphs = True, True
+        t_first, lb = sync_time(lambda: m.forward(st.clone(), [first]))
+    res["compiled_vs_eager_rel"] = float((la - lb).abs().max() / la.std())
+    res["first_capture_s"] = round(t_first, 1)
+    print("compiled vs eager", res["compiled_vs_eager_rel"], "capture+compile s", t_first, flush=True)
     m.decode_greedy(st, first, 2)  # captures the graph
     n = 64
     t_dec, _ = sync_time(lambda: m.decode_greedy(st, first, n))
@@ -72,6 +82,12 @@ def main() -> None:
     (out_dir / "decode_profile.txt").write_text(table)
     print(table[:6000], flush=True)
     m.graphs = True
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        m.forward(m.new_state(4200), prompt[:4096])
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    (out_dir / "prefill_profile.txt").write_text(table)
+    print(table[:5000], flush=True)
 
     ctx64 = 65536
     st64 = m.new_state(ctx64 + 128)

@@ -11,6 +11,7 @@ of ds4.kernels.moe are present they replace the gather + decode + matmul of deco
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,8 @@ def routed_prefill(
     n_exp = gate.data.shape[0] if isinstance(gate, Packed) else gate.shape[0]
     hist = torch.bincount(flat, minlength=n_exp)
     tok_sorted = order // k
-    if not isinstance(gate, Packed) and moe_grouped is not None:  # grouped GEMMs, dequant on the fly
+    grouped = moe_grouped is not None and (dtype != torch.float32 or os.environ.get("DS4_GROUPED_F32") == "1")
+    if not isinstance(gate, Packed) and grouped:  # grouped GEMMs with dequant on the fly (bf16 tensor cores)
         offsets = torch.zeros(n_exp + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = hist.cumsum(0)
         xs = x[tok_sorted].to(dtype)  # [T*k, d] rows grouped by expert

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ds4.model.attention import AttentionShape, CompressorWeights, compress_chunk, fp8_nope
 from ds4.model.block import LayerWeights
+from ds4.model.cuda import fused
 from ds4.model.cuda.experts import routed_decode, routed_prefill, swiglu_mid
 from ds4.model.cuda.state import DeviceLayerKV
 from ds4.model.cuda.weights import QLinear
@@ -135,8 +136,7 @@ def _compress_step(w: CompressorWeights, xn, pos, ratio, fk, fs, out_rows, inv_f
         cand_score = torch.cat([fs[:r, :h], fs[r:, h:]])
     else:
         cand_kv, cand_score = fk, fs
-    pooled = (cand_kv * cand_score.softmax(dim=0)).sum(0, keepdim=True)  # [1, h]
-    row = _finish_rows(w, pooled, pos - (r - 1), inv_freq, eps, n_rot, indexer)
+    row = fused.pool_row(cand_kv, cand_score, w.norm, pos - (r - 1), inv_freq, eps, n_rot, indexer)  # [1, h]
     done = slot == r - 1  # [1] bool: this token completes a window
     idx = torch.clamp(pos // r, max=out_rows.shape[0] - 1)
     out_rows.index_copy_(0, idx, torch.where(done[:, None], row, out_rows.index_select(0, idx)))
@@ -150,18 +150,12 @@ def _compress_step(w: CompressorWeights, xn, pos, ratio, fk, fs, out_rows, inv_f
         fs.copy_(torch.where(done, torch.full_like(fs, EMPTY_SCORE), fs))
 
 
-def _attend(q, keys, valid, sinks, scale):
-    """q [H, D], keys [n, D], valid [n] -> [H, D]; softmax with the per-head sink in the denominator."""
-    s = (q @ keys.T) * scale  # [H, n]
-    s = s.masked_fill(~valid[None, :], float("-inf"))
-    s = torch.cat([s, sinks[:, None]], dim=1)
-    return s.softmax(-1)[:, :-1] @ keys
-
-
 def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_freq):
     """xn [1, d] at device position pos [1] -> [1, d]; appends to kv in place."""
     R, eps, W, r = shape.n_rot, shape.rms_eps, shape.window, shape.ratio
-    qn, q, row = _qkv(w, shape, xn, pos, inv_freq)
+    qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)
+    q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, shape.head_dim)), pos, inv_freq, eps)
+    row = fused.kv_post(lin(xn, w.kv), w.kv_norm, pos, inv_freq, eps, R)
     kv.raw.index_copy_(0, pos % W, row)
     slot_pos = pos - torch.remainder(pos - torch.arange(W, device=pos.device), W)  # [W] position per slot
     keys, valid = [kv.raw], [slot_pos >= 0]
@@ -173,7 +167,10 @@ def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_f
         if w.indexer is not None and cap > shape.indexer_topk:
             ic = w.indexer.compressor
             _compress_step(ic, xn, pos, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
-            qi, wts = _indexer_query(w.indexer, qn, xn, pos, inv_freq)  # [1, Hi, Di], [1, Hi]
+            iw = w.indexer
+            n_heads, dim = iw.proj.shape[0], iw.compressor.norm.numel()
+            qi = fused.indexer_q_post(lin(qn, iw.q_b).unflatten(-1, (n_heads, dim)), pos, inv_freq)
+            wts = lin(xn, iw.proj) * (dim**-0.5 * n_heads**-0.5)  # [1, Hi]
             score = ((qi[0] @ kv.index.T).relu() * wts[0, :, None]).sum(0)  # [cap]
             score = score.masked_fill(~rows_valid, float("-inf"))
             top = _top_rows(score, shape.indexer_topk)  # [k]
@@ -185,18 +182,22 @@ def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_f
                 _compress_step(ic, xn, pos, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
             keys.append(kv.comp)
             valid.append(rows_valid)
-    o = _attend(q[0], torch.cat(keys), torch.cat(valid), w.sinks, shape.head_dim**-0.5)[None]
-    o = rope_tail(o, pos, inv_freq, inverse=True)
+    o = fused.attend(q, torch.cat(keys), torch.cat(valid), w.sinks, shape.head_dim**-0.5, pos, inv_freq)
     return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
 
 
 def decode_layer(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, token, pos, dtype):
     """X [1, S, d] -> [1, S, d] for one token (token [1], pos [1] device tensors)."""
-    hc = dict(iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
-    x, post, comb = hc_pre(X, w.hc_attn, **hc)
-    xn = rms_norm(x, w.attn_norm, cfg.rms_eps)
-    X = hc_post(attention_decode(w.attn, shape, kv, xn, pos, inv_freq), X, post, comb)
-    return _ffn(cfg, il, w, X, token, decode=True, dtype=dtype)
+    hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
+    h = w.hc_attn
+    xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)
+    X = fused.hc_post(attention_decode(w.attn, shape, kv, xn, pos, inv_freq), X, post, comb)
+    h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
+    xf, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
+    weights, ids = route(m, xf, token, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm)
+    y = routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
+    y = y + lin(fused.swiglu_mid(lin(xf, m.gate_sh), lin(xf, m.up_sh), clamp), m.down_sh)
+    return fused.hc_post(y, X, post, comb)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ with the argmax computed on the device (the benchmark's loop: no host sync per t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ import torch
 
 from ds4.config import ModelConfig
 from ds4.model.block import Block, load_layer
+from ds4.model.cuda import fused
 from ds4.model.cuda.layer import decode_layer, lin, prefill_layer, qmatvec
 from ds4.model.cuda.state import DeviceKVState
 from ds4.model.cuda.weights import QLinear, RawSource, WeightStore
@@ -39,6 +41,7 @@ class CudaModel:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         graphs: bool = True,
         kernels: bool | None = None,
+        compile: bool | None = None,
     ) -> None:
         self.cfg, self.device = cfg, torch.device(device)
         if dtype is None:  # exact float32 for small models; bf16 tensor-core GEMMs at Flash size
@@ -48,6 +51,9 @@ class CudaModel:
         if kernels is None:  # packed-weight Triton kernels for decode when they exist and a GPU runs them
             kernels = self.device.type == "cuda" and qmatvec is not None
         self.kernels = kernels
+        if compile is None:  # fuse the decode step's element-wise chains (fused.py) on CUDA
+            compile = self.device.type == "cuda" and os.environ.get("DS4_COMPILE", "1") != "0"
+        fused.SWITCH.enabled = compile
         store = WeightStore(cfg, source, has, self.device, dtype, kernels)
 
         def get(name: str):

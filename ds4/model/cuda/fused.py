@@ -1,0 +1,133 @@
+"""Decode-step pieces made of many tiny element-wise ops, written as pure functions so torch.compile can fuse
+each into a few kernels (the decode step is otherwise hundreds of ~1 us launches per layer).
+
+Legend: S HC streams, d = n_embd, H heads, D = head_dim, n keys, P = rotated pairs, h = compressed row width.
+
+Same math as the CPU reference (ds4.model.hc, norm, rope, quantsim); RoPE is written with cos/sin on the
+adjacent pairs (the complex multiply spelled out), which inductor handles (it does not fuse complex tensors).
+`fuse(fn)` returns fn compiled when enabled (CUDA), with a permanent fallback to eager on any compile error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ds4.model.hc import sinkhorn
+from ds4.model.norm import rms_norm
+from ds4.model.quantsim import fp8_e4m3_roundtrip, indexer_qat
+
+FP8_BLOCK = 64
+
+
+class _Switch:
+    enabled = False  # set by CudaModel (compile=True on CUDA)
+
+
+SWITCH = _Switch()
+
+
+def fuse(fn):
+    compiled = None
+    failed = False
+
+    def run(*args):
+        nonlocal compiled, failed
+        if not SWITCH.enabled or failed:
+            return fn(*args)
+        if compiled is None:
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            compiled = torch.compile(fn, dynamic=False)
+        try:
+            return compiled(*args)
+        except Exception as e:  # compile problems must not break decoding: stay eager
+            failed = True
+            print(
+                f"ds4: torch.compile of {fn.__name__} failed, running it eagerly: {e!r}"[:400],
+                file=sys.stderr,
+            )
+            return fn(*args)
+
+    run.__name__ = fn.__name__
+    return run
+
+
+def rope_real(
+    x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """rope_tail for x [1, W] or [1, heads, W] at pos [1] (GPT-J adjacent pairs of the last 2P dims)."""
+    n_rot = 2 * inv_freq.numel()
+    ang = pos[:, None] * inv_freq[None, :]  # [1, P]
+    c, s = torch.cos(ang), torch.sin(ang)
+    if inverse:
+        s = -s
+    if x.dim() == 3:
+        c, s = c[:, None, :], s[:, None, :]
+    tail = x[..., -n_rot:].unflatten(-1, (-1, 2))
+    a, b = tail[..., 0], tail[..., 1]
+    rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-n_rot], rot], dim=-1)
+
+
+def _fp8_nope(x: torch.Tensor, n_rot: int) -> torch.Tensor:
+    return torch.cat([fp8_e4m3_roundtrip(x[..., :-n_rot], FP8_BLOCK), x[..., -n_rot:]], dim=-1)
+
+
+@fuse
+def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float):
+    """HC collapse + the sublayer's RMSNorm: X [1, S, d] -> (xn [1, d], post [1, S], comb [1, S, S])."""
+    S = X.shape[1]
+    flat = X.flatten(1)
+    mix = torch.nn.functional.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    pre = torch.sigmoid(mix[:, :S] * scale[0] + base[:S]) + hc_eps
+    post = 2 * torch.sigmoid(mix[:, S : 2 * S] * scale[1] + base[S : 2 * S])
+    comb = sinkhorn((mix[:, 2 * S :] * scale[2] + base[2 * S :]).unflatten(-1, (S, S)), iters, hc_eps)
+    x = (pre[:, :, None] * X).sum(1)
+    return rms_norm(x, norm, rms_eps), post, comb
+
+
+@fuse
+def hc_post(f, X, post, comb):
+    return post[:, :, None] * f[:, None, :] + (comb[:, :, :, None] * X[:, :, None, :]).sum(1)
+
+
+@fuse
+def q_post(q, pos, inv_freq, eps: float):
+    """q [1, H, D]: per-head RMS (no weight), then RoPE."""
+    return rope_real(rms_norm(q, None, eps), pos, inv_freq)
+
+
+@fuse
+def kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int):
+    return _fp8_nope(rope_real(rms_norm(kv, kv_norm, eps), pos, inv_freq), n_rot)
+
+
+@fuse
+def indexer_q_post(qi, pos, inv_freq):
+    return indexer_qat(rope_real(qi, pos, inv_freq))
+
+
+@fuse
+def pool_row(cand_kv, cand_score, norm, start, inv_freq, eps: float, n_rot: int, indexer: bool):
+    """Softmax-pool a window's candidates [n, h] -> one finished row [1, h] (norm, RoPE at start, QAT)."""
+    pooled = (cand_kv * cand_score.softmax(dim=0)).sum(0, keepdim=True)
+    row = rope_real(rms_norm(pooled, norm, eps), start, inv_freq)
+    return indexer_qat(row) if indexer else _fp8_nope(row, n_rot)
+
+
+@fuse
+def attend(q, keys, valid, sinks, scale: float, pos, inv_freq):
+    """q [1, H, D] over keys [n, D] (valid [n]) with sinks -> de-rotated o [1, H, D]."""
+    s = (q[0] @ keys.T) * scale
+    s = s.masked_fill(~valid[None, :], float("-inf"))
+    s = torch.cat([s, sinks[:, None]], dim=1)
+    o = s.softmax(-1)[:, :-1] @ keys
+    return rope_real(o[None], pos, inv_freq, inverse=True)
+
+
+@fuse
+def swiglu_mid(g, u, clamp: float):
+    if clamp > 0:
+        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+    return torch.nn.functional.silu(g) * u
