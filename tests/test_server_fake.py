@@ -282,6 +282,42 @@ def test_responses_function_call_stream_and_replay(srv) -> None:
     assert _prefill(srv) - before <= 30
 
 
+def test_thinking_visible_continues_on_the_live_kv(srv) -> None:
+    """A tool-less thinking chat: the client replays the answer without its reasoning; the next turn
+    still continues on the live KV (which holds the hidden reasoning) instead of re-prefilling."""
+    c, tok = oai(srv), srv.source.tok
+    msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "first question"}]
+    r = c.chat.completions.create(model="deepseek-v4-flash", messages=msgs)
+    before = _prefill(srv)
+    msgs += [
+        {"role": "assistant", "content": r.choices[0].message.content},
+        {"role": "user", "content": "second"},
+    ]
+    r2 = c.chat.completions.create(model="deepseek-v4-flash", messages=msgs)
+    assert r2.choices[0].message.content == "echo: second"
+    assert srv.source.last_job.stats["cache_source"] == "thinking-visible"
+    suffix = "<｜end▁of▁sentence｜><｜User｜>second<｜Assistant｜><think>"
+    assert _prefill(srv) - before == len(tok.encode_chat(suffix))
+
+
+def test_responses_visible_continues_without_reasoning_replay(srv) -> None:
+    c = oai(srv)
+    r = c.responses.create(model="deepseek-v4-flash", input="list files", tools=[BASH_RESPONSES])
+    assert [o.type for o in r.output] == ["message", "function_call"]  # reasoning not opted in
+    call = r.output[1]
+    before = _prefill(srv)
+    items = [o.model_dump(exclude_none=True) for o in r.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "a.txt"})
+    r2 = c.responses.create(
+        model="deepseek-v4-flash",
+        input=[{"role": "user", "content": "list files"}, *items],
+        tools=[BASH_RESPONSES],
+    )
+    assert r2.output_text == "echo: a.txt"
+    assert srv.source.last_job.stats["cache_source"] == "responses-visible"
+    assert _prefill(srv) - before <= 30
+
+
 def _oracle_greedy(prefix: str) -> bool:
     """Independent §2.8 rule for the scripted block: structure (tags, non-string values) is greedy; raw
     string values are sampled, except while a partial closing tag of >= 2 chars is pending."""

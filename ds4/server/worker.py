@@ -29,7 +29,7 @@ from ds4.config import (
 )
 from ds4.dsml import DsmlStream, DsmlTracker, ParsedMessage, ToolMemory
 from ds4.server.protocol import Done, Event, Failed, Keepalive, Request, Started, TextDelta, Usage
-from ds4.tokenizer import Tokenizer
+from ds4.tokenizer import EOS, THINK_END, THINK_START, Tokenizer
 
 log = logging.getLogger("ds4.server")
 
@@ -84,6 +84,19 @@ class Job:
 
 class _Cancelled(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """A live protocol binding (§5.3): the text the client will send for the live KV, and its length."""
+
+    visible: bytes
+    live_len: int
+    source: str
+    dialects: tuple[str, ...]
+
+    def dialect_ok(self, dialect: str) -> bool:
+        return dialect in self.dialects
 
 
 @dataclass
@@ -162,6 +175,7 @@ class Worker:
         self._last_stored = 0  # continued-store schedule (§5.5)
         self._requests_on_live = 0
         self.current_job: Job | None = None  # the job being served (tests and diagnostics)
+        self._binding: _Binding | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -227,17 +241,25 @@ class Worker:
         job.emit(Started(len(tokens), reused))
         done = self._decode(job, tokens, reused)
         self._requests_on_live += 1
+        self._binding = self._visible_binding(req, done, job.stats.get("stop_hit", False))
         self._write_trace(job, done, source)
         job.emit(done)
 
     def _cache_decision(self, req: Request) -> tuple[list[int], str]:
         """The effective prompt tokens (§5.2) and where the reused prefix comes from."""
         tokens, live = req.prompt_tokens, self.session.tokens
+        binding, self._binding = self._binding, None  # a binding serves the very next request only
         if live and tokens[: len(live)] == live:
             return tokens, "memory-token"
+        prompt_bytes = req.prompt_text.encode()
+        if binding is not None and binding.live_len == len(live) and binding.dialect_ok(req.dialect):
+            vis = binding.visible
+            if len(prompt_bytes) > len(vis) and prompt_bytes.startswith(vis):
+                rest = prompt_bytes[len(vis) :].decode("utf-8", "replace")
+                # the visible text ends with EOS, which decode never evaluates
+                return [*live, self.tok.eos_id, *self.tok.encode_chat(rest)], binding.source
         if self._checkpoint_prefix(tokens):
             return tokens, "memory-token"
-        prompt_bytes = req.prompt_text.encode()
         if live:
             live_bytes = self.tok.decode_bytes(live)
             if len(prompt_bytes) > len(live_bytes) and prompt_bytes.startswith(live_bytes):
@@ -261,6 +283,42 @@ class Worker:
                 return list(self.session.tokens) + self.tok.encode_chat(rest), "disk-text"
             self.metrics.kv_disk_misses_total += 1
         return tokens, "none"
+
+    def _visible_binding(self, req: Request, done: Done, stop_hit: bool) -> _Binding | None:
+        """§5.3: after a turn whose KV holds text the client will not replay (hidden reasoning), remember
+        how the client WILL render this turn, so the next request continues on the live KV.
+
+        thinking-visible (chat/messages, tool-less, no tool history): the turn replays as
+        `...<｜Assistant｜></think>content EOS` (earlier reasoning is dropped by the template).
+        responses-visible: Codex replays content and calls but not the reasoning (unless summaries were
+        returned and the turn ended in calls): `...<think>[reasoning]</think>content DSML EOS`.
+        """
+        m = done.message
+        if (
+            done.finish in ("error", "length")
+            or stop_hit
+            or m.error
+            or not req.thinking
+            or not m.reasoning_closed
+        ):
+            return None
+        if not req.prompt_text.endswith(THINK_START):
+            return None
+        if req.dialect in ("chat", "messages"):
+            tool_history = any(x.role in ("tool", "function") or x.tool_calls for x in req.messages)
+            if req.tools or tool_history or m.calls:
+                return None
+            visible = req.prompt_text[: -len(THINK_START)] + THINK_END + m.content + EOS
+            return _Binding(
+                visible.encode(), len(self.session.tokens), "thinking-visible", ("chat", "messages")
+            )
+        if req.dialect == "responses":
+            if m.calls and not (m.raw_dsml and self.opt.exact_replay):
+                return None  # a canonical re-rendering would not match the sampled bytes anyway
+            shown = (m.reasoning or "") if req.reasoning_summary and m.calls else ""
+            visible = req.prompt_text + shown + THINK_END + m.content + (m.raw_dsml or "") + EOS
+            return _Binding(visible.encode(), len(self.session.tokens), "responses-visible", ("responses",))
+        return None
 
     def _checkpoint_prefix(self, tokens: list[int]) -> int:
         """Length of the session's post-prompt checkpoint when it is a prefix of `tokens` (else 0).
@@ -377,6 +435,7 @@ class Worker:
             pieces.append(text)
             self._forward_text(job, stream, text)
             if stopper.hit:
+                job.stats["stop_hit"] = True
                 finish = "stop"
                 break
             if stream is not None and req.tools and stream.block_ended:
