@@ -106,6 +106,11 @@ def test_qmatvec_grouped(qtype):
     assert got.shape == (2, 3, 24)
     assert rel_err(got, want) < F32_TOL
     assert rel_err(got, ref.qmatvec_grouped(x, w)) < F32_TOL
+    flat = w.view(72, 256)  # the same rows as one matrix: the grouped op keeps its diagonal blocks
+    full = matvec.qmatvec(x.reshape(6, 256), flat).reshape(2, 3, 3, 24)
+    assert rel_err(got, torch.diagonal(full, dim1=1, dim2=2).permute(0, 2, 1)) < F32_TOL
+    with pytest.raises(ValueError, match="does not regroup"):
+        w.view(4, 24, 256)
 
 
 def test_dispatch_without_triton_uses_twin(monkeypatch):

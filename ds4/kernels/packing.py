@@ -76,6 +76,15 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.data.values())
 
+    def view(self, *shape: int) -> PackedWeight:
+        """The same arrays seen with other leading dims, e.g. a grouped [G*N, K] matrix as a [G, N, K] stack
+        (for qmatvec_grouped); the row length must stay K."""
+        if shape[-1] != self.K or math.prod(shape[:-1]) != self.rows:
+            raise ValueError(
+                f"PackedWeight.view: {shape} does not regroup the {self.rows} rows of {self.shape}"
+            )
+        return PackedWeight(self.qtype, tuple(shape), self.data)
+
     def to(self, device: torch.device | str) -> PackedWeight:
         moved = PackedWeight(self.qtype, self.shape, {k: v.to(device) for k, v in self.data.items()})
         if self.qtype == GGMLType.IQ2_XXS:
