@@ -118,11 +118,12 @@ class LiveServer:
 
 
 def fake_server(
-    tokenizer: Any, script: Callable[[Request], str], ctx: int = 32768, **opts: Any
+    tokenizer: Any, script: Callable[[Request], str], ctx: int = 32768, kvstore: Any = None, **opts: Any
 ) -> LiveServer:
     session = FakeSession(ctx)
     source = ScriptSource(tokenizer, script)
-    worker = Worker(tokenizer, session, source=source, options=WorkerOptions(ctx=ctx, prefill_chunk=64))
+    options = WorkerOptions(ctx=ctx, prefill_chunk=64)
+    worker = Worker(tokenizer, session, source=source, options=options, kvstore=kvstore)
     server = LiveServer(worker, ServerOptions(ctx=ctx, **opts))
     server.source, server.session = source, session  # type: ignore[attr-defined]
     return server

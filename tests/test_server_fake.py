@@ -318,6 +318,29 @@ def test_responses_visible_continues_without_reasoning_replay(srv) -> None:
     assert _prefill(srv) - before <= 30
 
 
+def test_exact_replay_survives_restart_via_disk_tool_map(tok: Tokenizer, tmp_path) -> None:
+    """A fresh server (empty tool memory) finds the sampled DSML of a replayed call id in a cache file's
+    KTM trailer before rendering (§2.7)."""
+    from ds4.kvstore import DSV4_HEAD, DSV4_MAGIC, KVStore
+
+    kv = KVStore(tmp_path, min_tokens=1, ctx=4096)
+    payload = DSV4_HEAD.pack(DSV4_MAGIC, 1, 4096, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0) + bytes(16)
+    assert kv.store("an older session" + RAW_BLOCK, payload, tool_map=[("call_disk1", RAW_BLOCK)])
+    with fake_server(tok, script, ctx=4096, kvstore=kv) as s, httpx.Client(base_url=s.base, timeout=30) as h:
+        replay = {
+            "id": "call_disk1",
+            "type": "function",
+            "function": {"name": "bash", "arguments": json.dumps({"timeout": 10, "command": COMMAND})},
+        }
+        msgs = [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "", "tool_calls": [replay]},
+            {"role": "tool", "tool_call_id": "call_disk1", "content": "ok"},
+        ]
+        assert h.post("/v1/chat/completions", json={"messages": msgs}).status_code == 200
+        assert RAW_BLOCK + "<｜end▁of▁sentence｜>" in s.source.last_request.prompt_text
+
+
 def _oracle_greedy(prefix: str) -> bool:
     """Independent §2.8 rule for the scripted block: structure (tags, non-string values) is greedy; raw
     string values are sampled, except while a partial closing tag of >= 2 chars is pending."""

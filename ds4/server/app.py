@@ -284,6 +284,10 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
         if req.dialect == "completions":
             req.prompt_text = render_completion_prompt(req.prompt or "", req.mode, ctx=opt.ctx)
         else:
+            ids = [c.id for m in req.messages for c in m.tool_calls] + [
+                m.tool_call_id or "" for m in req.messages
+            ]
+            worker.seed_tool_memory(ids)
             with worker.memory_lock:
                 memory = worker.memory if opt.exact_replay else None
                 req.prompt_text = render_chat_prompt(

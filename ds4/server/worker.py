@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
@@ -339,6 +339,31 @@ class Worker:
         if target is not None:
             self._store(3, hits=self._requests_on_live)  # SaveReason.EVICT
         self._requests_on_live = 0
+
+    def seed_tool_memory(self, ids: Iterable[str]) -> int:
+        """Load, from the disk cache's KTM trailers, the exact DSML of tool ids the memory lacks (§2.7), so
+        exact replay survives a restart. Called by handlers before rendering; reads files only."""
+        if self.kv is None or not self.opt.exact_replay:
+            return 0
+        from ds4.kvstore import FLAG_TOOL_MAP, KVFileError, decode_ktm
+
+        with self.memory_lock:
+            missing = {i for i in ids if i and i not in self.memory}
+        if not missing:
+            return 0
+        found: list[tuple[str, str]] = []
+        for e in self.kv.entries():
+            if not e.flags & FLAG_TOOL_MAP:
+                continue
+            try:
+                with open(e.path, "rb") as f:
+                    f.seek(e.trailer_offset)
+                    found += [(i, b) for i, b in decode_ktm(f.read()) if i in missing]
+            except (OSError, KVFileError) as err:
+                log.warning("kv cache: tool map of %s unreadable: %s", e.name, err)
+        with self.memory_lock:
+            self.memory.load(found)
+        return len(found)
 
     def store_shutdown(self) -> None:
         """Save the live session on a clean exit (§5.5 shutdown), unless a disk file already covers it."""
