@@ -414,6 +414,10 @@ def _check_error(path: str, r: httpx.Response) -> None:
 def test_bad_input_gets_4xx_in_dialect_shape(srv, path: str) -> None:
     with httpx.Client(base_url=srv.base, timeout=30) as h:
         raw = [b"{not json", b"[1,2]", b'{"messages": [\xff\xfe]}', b"\xff\xfe\xfd"]
+        raw.append(json.dumps(dict(GOOD[path], temperature=float("nan"), model="deepseek-chat")).encode())
+        lone = json.dumps(GOOD[path]).replace('"hi"', '"\\ud800"').encode()  # a lone surrogate escape
+        assert b"ud800" in lone
+        raw.append(lone)
         for body in raw:
             _check_error(path, h.post(path, content=body, headers={"content-type": "application/json"}))
         for cases in BAD_BODIES.values():

@@ -27,6 +27,7 @@ from ds4.server.protocol import (
     MODEL_ID,
     Done,
     Event,
+    Finite,
     Request,
     Started,
     Usage,
@@ -69,8 +70,8 @@ class MessagesRequest(_Loose):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[str | dict[str, Any]] | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
     top_k: int | None = None
     stream: bool | None = False
     stop_sequences: list[str] | None = None

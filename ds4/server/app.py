@@ -11,6 +11,7 @@ before every token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -222,6 +223,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
         return metrics_text(worker)
 
     @app.post("/v1/chat/completions")
+    @_guarded
     async def chat(body: openai.ChatRequest, request: HttpRequest) -> Response:
         raw = await _raw(request)
         req = openai.parse_chat(body, raw)
@@ -235,6 +237,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
         )
 
     @app.post("/v1/completions")
+    @_guarded
     async def completions(body: openai.CompletionRequest, request: HttpRequest) -> Response:
         raw = await _raw(request)
         req = openai.parse_completion(body)
@@ -248,6 +251,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
         )
 
     @app.post("/v1/messages")
+    @_guarded
     async def messages(body: anthropic.MessagesRequest, request: HttpRequest) -> Response:
         raw = await _raw(request)
         req = anthropic.parse_messages(body, raw)
@@ -261,6 +265,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
         )
 
     @app.post("/v1/responses")
+    @_guarded
     async def responses_endpoint(body: responses.ResponsesRequest, request: HttpRequest) -> Response:
         raw = await _raw(request)
         req = responses.parse_responses(body, raw)
@@ -277,6 +282,12 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
         raw = json.loads(await request.body())
         if not isinstance(raw, dict):
             raise BadRequest("invalid JSON request: the body must be a JSON object")
+        try:
+            json.dumps(raw, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest(
+                "invalid JSON request: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+            ) from None
         return raw
 
     def _prepare(req: Request) -> None:
@@ -386,6 +397,23 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
             job.cancel.set()
 
     return Guard(app, opt)
+
+
+def _guarded(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """An unexpected error becomes a 500 JSON body in the dialect's shape (Starlette's own last-resort
+    handler re-raises, which drops the connection)."""
+
+    @functools.wraps(endpoint)
+    async def inner(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await endpoint(*args, **kwargs)
+        except (BadRequest, HTTPException, RequestValidationError):
+            raise
+        except Exception as err:
+            log.exception("unhandled error")
+            return error_response(kwargs["request"].url.path, 500, f"internal error: {type(err).__name__}")
+
+    return inner
 
 
 def _known_models(opt: ServerOptions) -> set[str]:

@@ -27,6 +27,7 @@ from ds4.server.protocol import (
     BadRequest,
     Done,
     Event,
+    Finite,
     Request,
     Sampling,
     Started,
@@ -84,9 +85,9 @@ class StreamOptions(_Loose):
 class _Common(_Loose):
     model: str = MODEL_ID
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    min_p: float | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
+    min_p: Finite | None = None
     top_k: int | None = None
     seed: int | None = None
     stream: bool | None = False

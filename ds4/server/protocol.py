@@ -12,7 +12,9 @@ import itertools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from ds4.chat import Message
 from ds4.config import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
@@ -28,6 +30,7 @@ from ds4.dsml import (
     ToolParseError,
 )
 
+Finite = Annotated[float, Field(allow_inf_nan=False)]  # sampling knobs: NaN/inf are a 400
 Dialect = Literal["chat", "completions", "messages", "responses"]
 Finish = Literal["stop", "length", "tool_calls", "error"]
 

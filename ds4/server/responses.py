@@ -31,6 +31,7 @@ from ds4.server.protocol import (
     BadRequest,
     Done,
     Event,
+    Finite,
     Request,
     Sampling,
     Usage,
@@ -76,8 +77,8 @@ class ResponsesRequest(_Loose):
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: int | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
     stream: bool | None = False
     reasoning: Reasoning | None = None
     previous_response_id: str | None = None
