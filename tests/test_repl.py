@@ -7,12 +7,14 @@ how many prompt tokens were prefilled and reused; the expected counts come from 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +32,7 @@ STATS_RE = re.compile(
     r"ds4: prefill: \d+\.\d\d t/s, generation: \d+\.\d\d t/s "
     r"\(prompt (\d+) tokens: (\d+) prefilled, (\d+) reused; (\d+) generated\)"
 )
+_SOCKETS = itertools.count()
 TIMEOUT = 180.0  # seconds for any one screen condition (the machine may be busy)
 
 
@@ -44,7 +47,7 @@ class Terminal:
     """A ds4 REPL in a detached tmux session of its own server (socket in tmp_path)."""
 
     def __init__(self, tmp_path: Path, home: Path, model: Path, *flags: str) -> None:
-        self.socket = str(tmp_path / "tmux.sock")
+        self.socket = str(tmp_path / f"tmux-{next(_SOCKETS)}.sock")  # never reuse a server being killed
         env = {"HOME": str(home), "DS4_LOCK_FILE": str(tmp_path / "ds4.lock"), "PYTHONPATH": str(REPO)}
         cmd = [sys.executable, "-m", "ds4", "-m", str(model), "-t", "1", "--ctx", "4096", *flags]
         shell = (
@@ -91,6 +94,15 @@ class Terminal:
 
     def close(self) -> None:
         subprocess.run([TMUX or "tmux", "-S", self.socket, "kill-server"], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def tmp_path():
+    """A private temp dir outside pytest's basetemp: a concurrent pytest run prunes old basetemp dirs, which
+    would delete the tmux socket and HOME of a test still running."""
+    path = Path(tempfile.mkdtemp(prefix="ds4-repl-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
