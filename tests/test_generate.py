@@ -284,4 +284,15 @@ def test_logits_hook_can_force_greedy_and_mask(engine):
 def test_prompt_too_long_is_an_error_event(engine):
     events = list(generate(engine.session(4), [0, 1, 2, 3, 4], GenerateParams()))
     assert len(events) == 1 and events[0].reason == "error"
-    assert "prompt exceeds context" in events[0].error
+    assert "prompt exceeds context" in events[0].error and isinstance(events[0].exception, ValueError)
+
+
+def test_seed_reproduces_sampled_tokens(engine):
+    prompt = official_case("short")["tokens"][:3]
+
+    def run(seed: int) -> tuple[int, ...]:
+        params = GenerateParams(max_tokens=6, sampling=SamplingParams(temperature=1.0, min_p=0.0, seed=seed))
+        return list(generate(engine.session(64), prompt, params))[-1].tokens
+
+    assert run(1234) == run(1234)
+    assert len({run(s) for s in (1, 2, 3)}) > 1  # different seeds do reach different continuations

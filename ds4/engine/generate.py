@@ -100,6 +100,7 @@ class Finish:
     stop_string: str | None = None  # the stop string that ended generation, if any
     eos: bool = False  # True when the model emitted EOS
     error: str | None = None  # reason == "error": what went wrong
+    exception: Exception | None = field(default=None, repr=False, compare=False)  # ... and the exception
 
 
 Event = TokenEvent | ReasoningDelta | TextDelta | Finish
@@ -266,7 +267,9 @@ def generate(
     ttft: float | None = None
     prefilled = 0
 
-    def finish(reason: FinishReason, *, eos: bool = False, error: str | None = None) -> Iterator[Event]:
+    def finish(
+        reason: FinishReason, *, eos: bool = False, error: str | None = None, exc: Exception | None = None
+    ) -> Iterator[Event]:
         if reason != "stop" or not router.stopped:
             yield from (_delta(k, t) for k, t in router.push(decoder.flush()))
         yield from (_delta(k, t) for k, t in router.finish())
@@ -275,7 +278,7 @@ def generate(
         timing = Timing(t_prefill_end - t0, t_end - t_prefill_end, ttft, prefilled, len(generated))
         yield Finish(
             reason, usage, timing, router.reasoning, router.text, tuple(generated),
-            router.stop_string, eos, error,
+            router.stop_string, eos, error, exc,
         )  # fmt: skip
 
     if _cancelled(cancel):
@@ -285,7 +288,7 @@ def generate(
         prefilled = session.sync(prompt, progress)
     except Exception as e:  # a prompt that does not fit, a failing forward pass: the caller decides
         t_prefill_end = time.perf_counter()
-        yield from finish("error", error=f"prompt processing failed: {e}")
+        yield from finish("error", error=f"prompt processing failed: {e}", exc=e)
         return
     t_prefill_end = time.perf_counter()
     max_tokens = max(0, min(params.max_tokens, session.ctx - len(prompt)))
@@ -319,5 +322,5 @@ def generate(
         try:
             logits = session.eval(token)
         except Exception as e:
-            yield from finish("error", error=f"decode failed: {e}")
+            yield from finish("error", error=f"decode failed: {e}", exc=e)
             return
