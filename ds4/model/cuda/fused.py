@@ -15,6 +15,11 @@ import sys
 import torch
 
 from ds4.model.hc import sinkhorn
+
+try:
+    from ds4.kernels.hc import sinkhorn as _sinkhorn  # Triton on CUDA, the torch reference elsewhere
+except ImportError:  # pragma: no cover - no triton
+    _sinkhorn = sinkhorn
 from ds4.model.norm import rms_norm
 from ds4.model.quantsim import fp8_e4m3_roundtrip, indexer_qat
 
@@ -75,16 +80,28 @@ def _fp8_nope(x: torch.Tensor, n_rot: int) -> torch.Tensor:
 
 
 @fuse
-def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float):
-    """HC collapse + the sublayer's RMSNorm: X [1, S, d] -> (xn [1, d], post [1, S], comb [1, S, S])."""
+def _hc_mix(X, fn, scale, base, rms_eps: float, hc_eps: float):
+    """(pre [1, S], post [1, S], combine logits [1, S, S]) of an HC site."""
     S = X.shape[1]
     flat = X.flatten(1)
     mix = torch.nn.functional.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
     pre = torch.sigmoid(mix[:, :S] * scale[0] + base[:S]) + hc_eps
     post = 2 * torch.sigmoid(mix[:, S : 2 * S] * scale[1] + base[S : 2 * S])
-    comb = sinkhorn((mix[:, 2 * S :] * scale[2] + base[2 * S :]).unflatten(-1, (S, S)), iters, hc_eps)
-    x = (pre[:, :, None] * X).sum(1)
-    return rms_norm(x, norm, rms_eps), post, comb
+    return pre, post, (mix[:, 2 * S :] * scale[2] + base[2 * S :]).unflatten(-1, (S, S))
+
+
+@fuse
+def _hc_collapse(pre, X, norm, rms_eps: float):
+    return rms_norm((pre[:, :, None] * X).sum(1), norm, rms_eps)
+
+
+def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float):
+    """HC collapse + the sublayer's RMSNorm: X [1, S, d] -> (xn [1, d], post [1, S], comb [1, S, S]).
+    The Sinkhorn loop is one Triton kernel (ds4.kernels.hc) where available: inductor splits it into
+    2 * iters tiny kernels."""
+    pre, post, logits = _hc_mix(X, fn, scale, base, rms_eps, hc_eps)
+    comb = _sinkhorn(logits, iters, hc_eps)
+    return _hc_collapse(pre, X, norm, rms_eps), post, comb
 
 
 @fuse
