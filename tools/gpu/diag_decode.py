@@ -13,7 +13,7 @@ from ds4.tools.synthetic import build_weights
 
 cfg = replace(FLASH, n_layer=4, n_expert=16, compress_ratios=FLASH.compress_ratios[:4])
 raw = build_weights(cfg, "q2", seed=3, device="cuda")
-for dtype in (torch.float32, torch.bfloat16):
+for dtype in (torch.bfloat16,):
     m = CudaModel(cfg, lambda n: raw[n], has=lambda n: n in raw, device="cuda", dtype=dtype)
     prompt = [(i * 7919) % cfg.n_vocab for i in range(2100)]
     with torch.inference_mode():
@@ -21,7 +21,7 @@ for dtype in (torch.float32, torch.bfloat16):
         logits = m.forward(st, prompt)
         tok = int(logits.argmax())
         out = {}
-        modes = [("eager", 0, 0), ("compiled", 1, 0), ("graph", 0, 1), ("graph+compiled", 1, 1)]
+        modes = [("eager", 0, 0), ("graph+compiled", 1, 1)]
         for name, comp, graph in modes:
             fused.SWITCH.enabled, m.graphs = bool(comp), bool(graph)
             s = st.clone()
