@@ -228,6 +228,8 @@ class Worker:
         if job.cancel.is_set():
             raise _Cancelled
         tokens, source = self._cache_decision(req)
+        if len(tokens) >= self.opt.ctx:  # a text-prefix reuse tokenized longer than the plain prompt
+            tokens, source = req.prompt_tokens, "none"
         t0 = time.perf_counter()
         before = self.session.stats.prefill_tokens
         reused = self._prefill(job, tokens)
