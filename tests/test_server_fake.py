@@ -190,6 +190,7 @@ def test_chat_tool_call_stream_and_replay(srv) -> None:
     )
     prompt = srv.source.last_request.prompt_text
     assert RAW_BLOCK + "<｜end▁of▁sentence｜>" in prompt
+    assert srv.source.last_request.replay_stats == {"replayed": 1}
     suffix = "<｜end▁of▁sentence｜><｜User｜><tool_result>a.txt</tool_result><｜Assistant｜><think>"
     assert prompt.endswith(suffix)
     prefilled = _prefill(srv) - before

@@ -97,7 +97,8 @@ def test_trace_file(tok: Tokenizer, tmp_path) -> None:
         s.worker.trace.close()
     text = path.read_text()
     assert "===== request 1" in text and "--- rendered prompt ---" in text and "traced answer" in text
-    assert "cache_source=none" in text and "===== end request 1 =====" in text
+    assert "cache_source=none" in text and "tool_replay: mem=0 canonical=0" in text
+    assert "===== end request 1 =====" in text
 
 
 def test_flags() -> None:

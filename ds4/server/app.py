@@ -302,7 +302,12 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
             with worker.memory_lock:
                 memory = worker.memory if opt.exact_replay else None
                 req.prompt_text = render_chat_prompt(
-                    req.messages, req.tools or None, req.mode, ctx=opt.ctx, tool_memory=memory
+                    req.messages,
+                    req.tools or None,
+                    req.mode,
+                    ctx=opt.ctx,
+                    tool_memory=memory,
+                    stats=req.replay_stats,
                 )
         req.prompt_tokens = tok.encode_chat(req.prompt_text)
 

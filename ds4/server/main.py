@@ -116,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
                 boundary_align_tokens=args.kv_cache_boundary_align_tokens,
                 ctx=args.ctx,
+                quant_bits=engine.model_file.expert_quant_bits,
                 reject_different_quant=args.kv_cache_reject_different_quant,
             )
         except (Ds4Error, OSError, ValueError) as err:

@@ -77,6 +77,7 @@ class Request:
     # filled by the handler before queueing
     prompt_text: str = ""
     prompt_tokens: list[int] = field(default_factory=list)
+    replay_stats: dict[str, int] = field(default_factory=dict)  # tool-call blocks: replayed / canonical
 
     @property
     def thinking(self) -> bool:

@@ -244,6 +244,11 @@ class Worker:
         done = self._decode(job, tokens, reused)
         self._requests_on_live += 1
         self._binding = self._visible_binding(req, done, job.stats.get("stop_hit", False))
+        log.info(
+            "%s ctx=%d..%d source=%s prefilled=%d gen=%d tools=%d finish=%s %.2fs",
+            req.dialect, reused, len(tokens), source, prefilled, done.usage.completion_tokens,
+            len(done.message.calls), done.finish, time.perf_counter() - t0,
+        )  # fmt: skip
         self._write_trace(job, done, source)
         job.emit(done)
 
@@ -527,7 +532,8 @@ class Worker:
             f"think_mode={req.mode} prompt_tokens={done.usage.prompt_tokens} "
             f"cached_tokens={done.usage.cached_tokens} max_tokens={req.max_tokens}",
             "--- cache decision ---",
-            f"cache_source={source} prefilled={job.stats.get('prefilled')}",
+            f"cache_source={source} prefilled={job.stats.get('prefilled')} tool_replay: "
+            f"mem={req.replay_stats.get('replayed', 0)} canonical={req.replay_stats.get('canonical', 0)}",
             "--- raw request json ---",
             req.raw_json.decode("utf-8", "replace"),
             "--- rendered prompt ---",
