@@ -162,3 +162,30 @@ def test_cuda_flash_width_synthetic_matches_cpu():
         want.append(ref.forward(rs, [tok]))
         tok = int(want[-1].argmax())
     check_close(torch.stack(got).numpy(), torch.stack(want).numpy(), "flash-width 4 layers")
+
+
+def test_device_path_on_cpu_matches_reference_on_tiny_q2():
+    """The tiny synthetic q2 model (IQ2_XXS/Q2_K experts, indexer selecting): device code on the CPU vs
+    the CPU reference. FP4-quantized indexer scores tie exactly; ties go to the lower row, as there."""
+    from ds4.config import TINY
+    from ds4.layout import tensor_specs
+    from ds4.model import DS4Model
+    from ds4.quant import dequantize
+    from ds4.tools.synthetic import build_weights
+
+    torch.set_num_threads(1)
+    raw = build_weights(TINY, "q2", seed=3)
+    shapes = {s.name: s.shape for s in tensor_specs(TINY)}
+    ref = DS4Model(
+        TINY, lambda n: dequantize(raw[n][1].reshape(-1), raw[n][0], shapes[n]), has=raw.__contains__
+    )
+    dev = CudaModel(TINY, lambda n: raw[n], has=raw.__contains__, device="cpu")
+    prompt = [(i * 7919) % TINY.n_vocab for i in range(300)]
+    rs, ds = ref.new_state(320), dev.new_state(320)
+    want, got = [ref.forward(rs, prompt)], [dev.forward(ds, prompt)]
+    for _ in range(2):
+        tok = int(want[-1].argmax())
+        want.append(ref.forward(rs, [tok]))
+        got.append(dev.forward(ds, [tok]))
+    rel = check_close(torch.stack(got).numpy(), torch.stack(want).numpy(), "tiny q2")
+    assert rel < 1e-3  # float32 both sides: only summation order differs
