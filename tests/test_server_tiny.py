@@ -78,3 +78,23 @@ def test_disk_cache_restores_a_cold_prompt(engine, tmp_path) -> None:
         assert second.worker.metrics.kv_disk_hits_total == 1
         assert second.worker.session.stats.prefill_tokens == 0  # restored, nothing re-prefilled
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == r["usage"]["prompt_tokens"]
+
+
+def test_evicted_live_session_comes_back_from_disk(engine, tmp_path) -> None:
+    """A then B then A: B's arrival stores A's live session (reason evict); A's return restores it."""
+    kv = KVStore(tmp_path, min_tokens=8, cold_max_tokens=0, ctx=CTX)  # cold saves off: only evict stores
+    worker = Worker(engine.tokenizer, engine.session(CTX), options=WorkerOptions(ctx=CTX), kvstore=kv)
+    a = {"messages": MSG, "max_tokens": 0, "model": "deepseek-chat"}
+    b = {"messages": [{"role": "user", "content": "A different question about the weather today"}],
+         "max_tokens": 0, "model": "deepseek-chat"}  # fmt: skip
+    with LiveServer(worker, ServerOptions(ctx=CTX)) as srv, httpx.Client(base_url=srv.base, timeout=120) as h:
+        first = h.post("/v1/chat/completions", json=a).json()
+        assert not list(tmp_path.glob("*.kv"))
+        h.post("/v1/chat/completions", json=b)
+        files = list(tmp_path.glob("*.kv"))
+        assert len(files) == 1 and files[0].read_bytes()[5] == 3  # header byte 5: reason 3 = evict
+        before = worker.session.stats.prefill_tokens
+        again = h.post("/v1/chat/completions", json=a).json()
+        assert worker.metrics.kv_disk_hits_total == 1
+        assert worker.session.stats.prefill_tokens == before  # restored from disk, nothing prefilled
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"]
