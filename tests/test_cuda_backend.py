@@ -189,3 +189,26 @@ def test_device_path_on_cpu_matches_reference_on_tiny_q2():
         got.append(dev.forward(ds, [tok]))
     rel = check_close(torch.stack(got).numpy(), torch.stack(want).numpy(), "tiny q2")
     assert rel < 1e-3  # float32 both sides: only summation order differs
+
+
+def test_device_session_rewind_and_reset_in_place(official_gguf):
+    """Rewinding to the prompt checkpoint and resetting keep the device state's buffers (and so its decode
+    graph); the results equal a fresh session's."""
+    torch.set_num_threads(1)
+    model = device_model(official_gguf, "cpu")
+    eng = SimpleNamespace(model=model, config=model.cfg)
+    s = Session(eng, 64)
+    prompt = list(range(3000, 3030))
+    s.sync(prompt)
+    buffers = [t.data_ptr() for t in s.state.layers[2].tensors()]
+    first = s.eval(7).clone()
+    s.sync(prompt + [8])  # drops the decoded 7: rewinds to the checkpoint, then prefills 8
+    assert s.stats.checkpoint_hits == 1
+    assert [t.data_ptr() for t in s.state.layers[2].tensors()] == buffers
+    fresh = Session(eng, 64, checkpoint=False)
+    fresh.sync(prompt + [8])
+    np.testing.assert_allclose(s.logits.numpy(), fresh.logits.numpy(), atol=1e-5)
+    s.reset()
+    assert s.state.n_tokens == 0 and [t.data_ptr() for t in s.state.layers[2].tensors()] == buffers
+    s.sync(prompt)
+    np.testing.assert_allclose(s.eval(7).numpy(), first.numpy(), atol=1e-5)

@@ -77,7 +77,10 @@ class Session:
 
     def reset(self) -> None:
         """Drop the timeline (the prompt checkpoint stays: it is still a valid state to rewind to)."""
-        self.state = self.engine.model.new_state(self.ctx)
+        if hasattr(self.state, "reset"):  # device state: in place, so its captured decode graph stays valid
+            self.state.reset()
+        else:
+            self.state = self.engine.model.new_state(self.ctx)
         self.tokens = []
         self._logits = None
 
@@ -116,7 +119,11 @@ class Session:
         cp = self._checkpoint
         if cp is None or tokens[: len(cp.tokens)] != cp.tokens:
             return False
-        self.state, self.tokens, self._logits = cp.state.clone(), list(cp.tokens), cp.logits.clone()
+        if hasattr(self.state, "copy_from"):  # device state: copy into the live buffers (graph stays valid)
+            self.state.copy_from(cp.state)
+        else:
+            self.state = cp.state.clone()
+        self.tokens, self._logits = list(cp.tokens), cp.logits.clone()
         self.stats.checkpoint_hits += 1
         return True
 

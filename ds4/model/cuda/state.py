@@ -64,9 +64,19 @@ class DeviceKVState:
         return out
 
     def copy_from(self, other: DeviceKVState) -> None:
+        """Overwrite these buffers in place (a decode graph captured on them stays valid)."""
         for a, b in zip(self.layers, other.layers, strict=True):
             a.copy_from(b)
         self.n_tokens = other.n_tokens
+
+    def reset(self) -> None:
+        """Back to an empty timeline, in place (frontier scores EMPTY_SCORE, everything else 0)."""
+        for layer in self.layers:
+            for name in DeviceLayerKV._FIELDS:
+                t = getattr(layer, name)
+                if t is not None:
+                    t.fill_(EMPTY_SCORE if name.endswith("_score") else 0.0)
+        self.n_tokens = 0
 
     # ---- CPU KVState conversion (snapshots) ----------------------------------------------------
 
