@@ -79,8 +79,12 @@ def layer_specs(cfg: ModelConfig, il: int) -> list[TensorSpec]:
         _spec(f"{p}attn_kv.weight", [d, hd], T.Q8_0, _MATRIX),
         _spec(f"{p}attn_kv_a_norm.weight", [hd], T.F32, _VECTOR),
         _spec(f"{p}attn_sinks.weight", [cfg.n_head], T.F32, _VECTOR),
-        _spec(f"{p}attn_output_a.weight",
-              [cfg.n_head * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank], T.Q8_0, _MATRIX),
+        _spec(
+            f"{p}attn_output_a.weight",
+            [cfg.n_head * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank],
+            T.Q8_0,
+            _MATRIX,
+        ),
         _spec(f"{p}attn_output_b.weight", [cfg.o_groups * cfg.o_lora_rank, d], T.Q8_0, _MATRIX),
     ]
     ratio = cfg.compress_ratios[il]
@@ -90,7 +94,9 @@ def layer_specs(cfg: ModelConfig, il: int) -> list[TensorSpec]:
     if ratio == 4:
         idim = cfg.indexer_dim
         s += [
-            _spec(f"{p}indexer.attn_q_b.weight", [cfg.q_lora_rank, cfg.indexer_heads * idim], T.F16, _F16_MATRIX),
+            _spec(
+                f"{p}indexer.attn_q_b.weight", [cfg.q_lora_rank, cfg.indexer_heads * idim], T.F16, _F16_MATRIX
+            ),
             _spec(f"{p}indexer.proj.weight", [d, cfg.indexer_heads], T.F16, _F16_MATRIX),
         ]
         s += _compressor_specs(f"{p}indexer_compressor_", d, 2 * idim, ratio, idim)
@@ -100,7 +106,9 @@ def layer_specs(cfg: ModelConfig, il: int) -> list[TensorSpec]:
         _spec(f"{p}exp_probs_b.bias", [e], T.F32, _VECTOR, required=False),
     ]
     if cfg.is_hash_layer(il):
-        s.append(_spec(f"{p}ffn_gate_tid2eid.weight", [cfg.n_expert_used, cfg.n_vocab], T.I32, frozenset({T.I32})))
+        s.append(
+            _spec(f"{p}ffn_gate_tid2eid.weight", [cfg.n_expert_used, cfg.n_vocab], T.I32, frozenset({T.I32}))
+        )
     s += [
         _spec(f"{p}ffn_gate_exps.weight", [d, ff, e], T.IQ2_XXS, _EXPERTS, role="expert_gate_up"),
         _spec(f"{p}ffn_up_exps.weight", [d, ff, e], T.IQ2_XXS, _EXPERTS, role="expert_gate_up"),
