@@ -564,3 +564,19 @@ def test_cors(tok: Tokenizer) -> None:
         r = h.options("/v1/chat/completions")
         assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "*"
         assert h.get("/v1/models").headers["access-control-allow-methods"] == "GET, POST, OPTIONS"
+
+
+def test_worker_failure_is_contained(tok: Tokenizer) -> None:
+    def boom(req: Request) -> str:
+        if req.messages[-1].content == "boom":
+            raise RuntimeError("model exploded")
+        return "fine"
+
+    with fake_server(tok, boom) as s, httpx.Client(base_url=s.base, timeout=30) as h:
+        body = {"messages": [{"role": "user", "content": "boom"}], "model": "deepseek-chat"}
+        r = h.post("/v1/chat/completions", json=body)
+        assert r.status_code == 500 and "model exploded" in r.json()["error"]["message"]
+        r = h.post("/v1/messages", json=dict(body, max_tokens=5, stream=True))
+        assert r.status_code == 200 and "event: error" in r.text and '"api_error"' in r.text
+        ok = h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": "hi"}]))
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine"

@@ -342,7 +342,14 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
             )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(req, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+
+        def emit(ev: Event) -> None:  # worker thread -> this request's event loop
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the loop is closed (shutdown): nobody listens any more
+                job.cancel.set()
+
+        job = Job(req, emit=emit)
         try:
             worker.submit(job)
         except RuntimeError:

@@ -213,12 +213,19 @@ class Worker:
             except _Cancelled:
                 job.cancelled = True
                 self.metrics.cancelled_total += 1
-                job.emit(Failed("client disconnected", status=499))
+                self._emit_quietly(job, Failed("client disconnected", status=499))
             except Exception as err:  # one bad job never takes the worker down
                 log.exception("request failed in the worker")
-                job.emit(Failed(f"generation failed: {err}"))
+                self._emit_quietly(job, Failed(f"generation failed: {err}"))
             finally:
                 job.finished.set()
+
+    @staticmethod
+    def _emit_quietly(job: Job, ev: Event) -> None:
+        try:
+            job.emit(ev)
+        except Exception:  # the handler is gone; the worker must survive it
+            log.warning("could not deliver the final event of a request")
 
     # ---- one job -----------------------------------------------------------------------------
 
