@@ -41,6 +41,9 @@ def test_thinking_controls_and_aliases() -> None:
     assert resolve_mode("deepseek-chat", enabled=True, effort=None) == "high"  # explicit control wins
     assert resolve_mode("deepseek-reasoner", enabled=None, effort="max") == "max"
     assert resolve_mode("deepseek-v4-flash", enabled=True, effort="none") == "none"
+    assert resolve_mode("deepseek-v4-flash", enabled=None, effort=None, default="none") == "none"  # --nothink
+    assert resolve_mode("deepseek-reasoner", enabled=None, effort=None, default="none") == "high"
+    assert resolve_mode("deepseek-v4-flash", enabled=None, effort="low", default="none") == "high"
 
 
 def test_text_parts_and_stops() -> None:
@@ -110,7 +113,7 @@ def test_flags() -> None:
         None,
         False,
     )
-    assert args.kv_cache_min_tokens == 512 and args.tool_memory_max_ids == 100000
+    assert args.kv_cache_min_tokens == 512 and args.tool_memory_max_ids == 100000 and not args.nothink
     args = build_parser().parse_args(
         ["-m", "tiny", "--api-key", "k", "--kv-disk-dir", "/tmp/x", "--trace", "t"]
     )
@@ -118,3 +121,13 @@ def test_flags() -> None:
     with pytest.raises(SystemExit, match="IPv4"):
         main(["--host", "example.com"])
     assert main(["--ctx", "1"]) == 2
+
+
+def test_nothink_server_default(tok: Tokenizer) -> None:
+    with fake_server(tok, lambda req: "reasoned</think>answer" if req.thinking else "answer",
+                     default_mode="none") as s, httpx.Client(base_url=s.base, timeout=30) as h:  # fmt: skip
+        msgs = [{"role": "user", "content": "q"}]
+        plain = h.post("/v1/chat/completions", json={"messages": msgs}).json()["choices"][0]["message"]
+        assert plain == {"role": "assistant", "content": "answer"}
+        asked = h.post("/v1/chat/completions", json={"messages": msgs, "reasoning_effort": "high"}).json()
+        assert asked["choices"][0]["message"]["reasoning_content"] == "reasoned"

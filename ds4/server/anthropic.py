@@ -130,11 +130,11 @@ def _messages(body: MessagesRequest) -> list[Message]:
     return out
 
 
-def parse_messages(body: MessagesRequest, raw: dict[str, Any]) -> Request:
+def parse_messages(body: MessagesRequest, raw: dict[str, Any], default_mode: str = "high") -> Request:
     effort = effort_mode(body.reasoning_effort)
     if body.output_config and body.output_config.get("effort") is not None:
         effort = effort_mode(body.output_config.get("effort"))
-    mode = resolve_mode(body.model, enabled=thinking_flag(body.thinking), effort=effort)
+    mode = resolve_mode(body.model, enabled=thinking_flag(body.thinking), effort=effort, default=default_mode)
     tools = raw.get("tools") or []
     if body.tool_choice and body.tool_choice.get("type") == "none":
         tools = []

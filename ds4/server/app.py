@@ -70,6 +70,7 @@ class ServerOptions:
     keepalive_s: float = SERVER_KEEPALIVE_S
     exact_replay: bool = True
     model_id: str = MODEL_ID
+    default_mode: str = "high"  # thinking mode of requests without a thinking control (--nothink: none)
 
 
 def _is_anthropic(path: str) -> bool:
@@ -226,7 +227,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
     @_guarded
     async def chat(body: openai.ChatRequest, request: HttpRequest) -> Response:
         raw = await _raw(request)
-        req = openai.parse_chat(body, raw)
+        req = openai.parse_chat(body, raw, opt.default_mode)
         rid = f"chatcmpl-{next_response_number()}"
         return await _run(
             request,
@@ -240,7 +241,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
     @_guarded
     async def completions(body: openai.CompletionRequest, request: HttpRequest) -> Response:
         raw = await _raw(request)
-        req = openai.parse_completion(body)
+        req = openai.parse_completion(body, opt.default_mode)
         rid = f"cmpl-{next_response_number()}"
         return await _run(
             request,
@@ -254,7 +255,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
     @_guarded
     async def messages(body: anthropic.MessagesRequest, request: HttpRequest) -> Response:
         raw = await _raw(request)
-        req = anthropic.parse_messages(body, raw)
+        req = anthropic.parse_messages(body, raw, opt.default_mode)
         rid = f"chatcmpl-{next_response_number()}"
         return await _run(
             request,
@@ -268,7 +269,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
     @_guarded
     async def responses_endpoint(body: responses.ResponsesRequest, request: HttpRequest) -> Response:
         raw = await _raw(request)
-        req = responses.parse_responses(body, raw)
+        req = responses.parse_responses(body, raw, opt.default_mode)
         rid = responses.new_response_id()
         return await _run(
             request,

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kv-cache-boundary-trim-tokens", type=int, default=config.KV_CACHE_BOUNDARY_TRIM_TOKENS)
     add("--kv-cache-boundary-align-tokens", type=int, default=config.KV_CACHE_BOUNDARY_ALIGN_TOKENS)
     add("--kv-cache-reject-different-quant", action="store_true")
+    add("--nothink", action="store_true", help="thinking off for requests that do not ask for it")
     add("--tool-memory-max-ids", type=int, default=config.TOOL_MEMORY_MAX_IDS)
     add("--disable-exact-dsml-tool-replay", action="store_true")
     return p
@@ -141,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cors=args.cors,
         max_body_bytes=args.max_body_mb << 20,
         exact_replay=exact,
+        default_mode="none" if args.nothink else "high",
     )
     try:
         uvicorn.run(create_app(worker, opt), host=host, port=args.port, log_level="warning")

@@ -130,11 +130,13 @@ def sampling_of(body: Any, mode: str, *, seed: bool = True, min_p: bool = True) 
     return s
 
 
-def _mode(body: _Common) -> str:
+def _mode(body: _Common, default: str) -> str:
     enabled = thinking_flag(body.thinking)
     if enabled is None and body.think is not None:
         enabled = body.think
-    return resolve_mode(body.model, enabled=enabled, effort=effort_mode(body.reasoning_effort))
+    return resolve_mode(
+        body.model, enabled=enabled, effort=effort_mode(body.reasoning_effort), default=default
+    )
 
 
 def _max_tokens(*values: int | None) -> int | None:
@@ -153,8 +155,8 @@ def active_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[d
     raise BadRequest(f"tool_choice={tool_choice!r} not supported: expected auto, none or required")
 
 
-def parse_chat(body: ChatRequest, raw: dict[str, Any]) -> Request:
-    mode = _mode(body)
+def parse_chat(body: ChatRequest, raw: dict[str, Any], default_mode: str = "high") -> Request:
+    mode = _mode(body, default_mode)
     messages = []
     for m in body.messages:
         calls = [
@@ -192,13 +194,13 @@ def parse_chat(body: ChatRequest, raw: dict[str, Any]) -> Request:
     )
 
 
-def parse_completion(body: CompletionRequest) -> Request:
+def parse_completion(body: CompletionRequest, default_mode: str = "high") -> Request:
     prompt = body.prompt
     if isinstance(prompt, list):
         prompt = next((p for p in prompt if isinstance(p, str)), None)
         if prompt is None:
             raise BadRequest("missing prompt: expected a string or an array with a string")
-    mode = _mode(body)
+    mode = _mode(body, default_mode)
     return Request(
         dialect="completions",
         model=body.model,

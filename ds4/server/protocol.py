@@ -195,11 +195,13 @@ def thinking_flag(thinking: Any) -> bool | None:
     return None
 
 
-def resolve_mode(model: str, *, enabled: bool | None, effort: str | None) -> str:
+def resolve_mode(model: str, *, enabled: bool | None, effort: str | None, default: str = "high") -> str:
     """Combine the controls: disabled or effort none -> none; effort max -> max; else high. With no
-    explicit control the model alias decides (deepseek-chat: none)."""
+    explicit control the model alias decides (deepseek-chat: none), else the server default (--nothink)."""
     if enabled is None and effort is None:
-        enabled = ALIAS_THINKING.get(model, True)
+        if model not in ALIAS_THINKING:
+            return default
+        enabled = ALIAS_THINKING[model]
     if enabled is False or effort == "none":
         return "none"
     return "max" if effort == "max" else "high"

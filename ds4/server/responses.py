@@ -192,12 +192,12 @@ def _schemas(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return out
 
 
-def parse_responses(body: ResponsesRequest, raw: dict[str, Any]) -> Request:
+def parse_responses(body: ResponsesRequest, raw: dict[str, Any], default_mode: str = "high") -> Request:
     for key in ("previous_response_id", "conversation"):
         if raw.get(key) is not None:
             raise BadRequest(f"{key} is not supported; replay full input instead")
     effort = effort_mode(body.reasoning.effort) if body.reasoning else None
-    mode = resolve_mode(body.model, enabled=None, effort=effort)
+    mode = resolve_mode(body.model, enabled=None, effort=effort, default=default_mode)
     sampling = Sampling()
     if mode == "none":
         sampling.temperature = body.temperature if body.temperature is not None else sampling.temperature
