@@ -431,6 +431,18 @@ def test_bad_input_gets_4xx_in_dialect_shape(srv, path: str) -> None:
         assert h.post(path, json=GOOD[path]).status_code == 200  # still serving
 
 
+def test_tool_result_for_an_unknown_call_is_a_400(srv) -> None:
+    with httpx.Client(base_url=srv.base, timeout=30) as h:
+        msgs = [
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}
+        ]
+        r = h.post("/v1/messages", json={"messages": msgs, "max_tokens": 5})
+        assert r.status_code == 400 and "tool_use_id toolu_x" in r.json()["error"]["message"]
+        items = [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]
+        r = h.post("/v1/responses", json={"input": items})
+        assert r.status_code == 400 and "call_id call_x" in r.json()["error"]["message"]
+
+
 def test_unknown_endpoint_and_models(srv) -> None:
     with httpx.Client(base_url=srv.base, timeout=30) as h:
         assert h.get("/v1/nope").status_code == 404 and h.get("/v1/nope").json()["error"]["message"]

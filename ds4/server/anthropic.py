@@ -31,6 +31,7 @@ from ds4.server.protocol import (
     Request,
     Started,
     Usage,
+    check_tool_results,
     effort_mode,
     resolve_mode,
     stop_list,
@@ -135,13 +136,15 @@ def parse_messages(body: MessagesRequest, raw: dict[str, Any], default_mode: str
     if body.output_config and body.output_config.get("effort") is not None:
         effort = effort_mode(body.output_config.get("effort"))
     mode = resolve_mode(body.model, enabled=thinking_flag(body.thinking), effort=effort, default=default_mode)
+    messages = _messages(body)
+    check_tool_results(messages, dialect_label="Anthropic", what="tool_use_id", retry="messages")
     tools = raw.get("tools") or []
     if body.tool_choice and body.tool_choice.get("type") == "none":
         tools = []
     return Request(
         dialect="messages",
         model=body.model,
-        messages=_messages(body),
+        messages=messages,
         tools=list(tools),
         mode=mode,
         sampling=sampling_of(body, mode, seed=False, min_p=False),

@@ -224,6 +224,19 @@ def text_of(content: Any, *, what: str) -> str:
     raise BadRequest(f"{what} must be a string, null or an array of parts, got {type(content).__name__}")
 
 
+def check_tool_results(messages: list[Message], *, dialect_label: str, what: str, retry: str) -> None:
+    """Every tool result must answer a call replayed earlier in the same request (§4.6, §4.7): this
+    server keeps no per-client conversation state, so a result for an unknown call cannot be placed."""
+    seen: set[str] = set()
+    for m in messages:
+        seen.update(c.id for c in m.tool_calls if c.id)
+        if m.role == "tool" and m.tool_call_id and m.tool_call_id not in seen:
+            raise BadRequest(
+                f"{dialect_label} continuation state is not available for {what} {m.tool_call_id}; "
+                f"retry by replaying the full {retry} history"
+            )
+
+
 def stop_list(stop: Any, *, what: str = "stop") -> list[str]:
     if stop is None:
         return []

@@ -35,6 +35,7 @@ from ds4.server.protocol import (
     Request,
     Sampling,
     Usage,
+    check_tool_results,
     effort_mode,
     resolve_mode,
 )
@@ -203,10 +204,12 @@ def parse_responses(body: ResponsesRequest, raw: dict[str, Any], default_mode: s
         sampling.temperature = body.temperature if body.temperature is not None else sampling.temperature
         sampling.top_p = body.top_p if body.top_p is not None else sampling.top_p
     limit = body.max_output_tokens if body.max_output_tokens is not None else body.max_tokens
+    messages = _messages(body)
+    check_tool_results(messages, dialect_label="Responses", what="call_id", retry="input")
     return Request(
         dialect="responses",
         model=body.model,
-        messages=_messages(body),
+        messages=messages,
         tools=active_tools(_schemas(body.tools), body.tool_choice),
         mode=mode,
         sampling=sampling,
