@@ -84,22 +84,17 @@ class ScriptSource:
         return script[n] if n < len(script) else self.tok.eos_id
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LiveServer:
     def __init__(self, worker: Worker, opt: ServerOptions) -> None:
         self.worker, self.opt = worker, opt
-        self.port = free_port()
+        # Bind here and hand the socket to uvicorn: no window in which another process takes the port.
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         app = create_app(worker, opt)
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
         self.worker.start()
@@ -115,6 +110,7 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.worker.stop(10)
+        self.sock.close()
 
 
 def fake_server(
