@@ -51,7 +51,7 @@ def test_moe_gate_up_no_clamp_bf16_input():
     wg, _ = stack(GGMLType.Q8_0, (E, 16, 256), 4)
     wu, _ = stack(GGMLType.Q8_0, (E, 16, 256), 5)
     ids = torch.tensor(IDS, dtype=torch.int64, device=DEVICE)
-    x = torch.randn(3, 256, generator=generator(6), device=DEVICE).bfloat16()
+    x = (4 * torch.randn(3, 256, generator=generator(6), device=DEVICE)).bfloat16()  # |g|, |u| well over 1
     got = moe.moe_gate_up(x, wg, wu, ids, 0.0)
     assert rel_err(got, ref.moe_gate_up(x, wg, wu, ids, 0.0)) < F32_TOL  # bf16 x widened exactly
     assert got.abs().max() > 1.5  # unclamped values do exceed the 1.0 clamp of the other test
@@ -73,6 +73,37 @@ def test_moe_down(qtype):
         [sum(weights[b, j] * (dense[e] @ mid[b, j]) for j, e in enumerate(r)) for b, r in enumerate(IDS)]
     )
     assert rel_err(got, want) < F32_TOL
+
+
+# Decode launch shapes: k-splits (3 super-blocks split 1, 2 or 3 ways), partial row tiles, and the general
+# dot_rows kernels (fast=False) next to the dedicated IQ2_XXS / Q2_K ones.
+DECODE_CONFIGS = [
+    moe.MoeConfig(16, 1),
+    moe.MoeConfig(8, 3),
+    moe.MoeConfig(32, 2),
+    moe.MoeConfig(8, 2, 4, False),
+]
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "cfg", DECODE_CONFIGS, ids=lambda c: f"bn{c.bn}-s{c.splits}-{'fast' if c.fast else 'gen'}"
+)
+def test_moe_decode_configs(qtype, cfg):
+    F, K = 24, 768
+    (wg, _), (wu, _), (wd, _) = (
+        stack(qtype, (E, F, K), 21),
+        stack(qtype, (E, F, K), 22),
+        stack(qtype, (E, F, K), 23),
+    )
+    ids = torch.tensor(IDS, dtype=torch.int32, device=DEVICE)
+    gen = generator(24)
+    x = torch.randn(3, K, generator=gen, device=DEVICE)
+    got = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)
+    assert rel_err(got, ref.moe_gate_up(x, wg, wu, ids, 1.0)) < F32_TOL
+    mid = torch.randn(3, 2, K, generator=gen, device=DEVICE)
+    weights = torch.rand(3, 2, generator=gen, device=DEVICE)
+    assert rel_err(moe.moe_down(mid, weights, wd, ids, cfg), ref.moe_down(mid, weights, wd, ids)) < F32_TOL
 
 
 def test_moe_errors():

@@ -113,6 +113,24 @@ def test_qmatvec_grouped(qtype):
         w.view(4, 24, 256)
 
 
+Q8_TILES = [matvec.Q8Config(), matvec.Q8Config(16, 256, 4, 3, 8), matvec.Q8Config(8, 1024, 4, 1, 1)]
+
+
+@pytest.mark.parametrize("cfg", Q8_TILES, ids=lambda c: f"bn{c.bn}-tk{c.tk}-s{c.stages}-t{c.target}")
+def test_q8_mv1_tiles(cfg):
+    # plain: N = 20 (a partial row tile), K = 1024 (split-K unless the target is tiny); grouped: 3 x 32 rows
+    w = packed(GGMLType.Q8_0, (20, 1024), seed=31)
+    x = torch.randn(1024, generator=generator(31), device=DEVICE)
+    assert rel_err(matvec.q8_mv1(x, w, 20, cfg), ref.qmatvec(x[None], w)[0]) < F32_TOL
+    wg = packed(GGMLType.Q8_0, (3, 32, 256), seed=32)
+    xg = torch.randn(3 * 256, generator=generator(32), device=DEVICE)
+    want = ref.qmatvec_grouped(xg.view(1, 3, 256), wg).reshape(-1)
+    assert rel_err(matvec.q8_mv1(xg, wg, 32, cfg), want) < F32_TOL
+    assert rel_err(matvec.qmatvec_grouped(xg.view(1, 3, 256), wg).reshape(-1), want) < F32_TOL
+    with pytest.raises(ValueError, match="must divide the group of 20 rows"):
+        matvec.q8_mv1(xg, packed(GGMLType.Q8_0, (3, 20, 256), seed=33), 20, matvec.Q8Config(bn=16))
+
+
 def test_dispatch_without_triton_uses_twin(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     w = packed(GGMLType.Q8_0, (8, 64), seed=2).to("cpu")

@@ -18,6 +18,7 @@ Legend: B activation rows, N output rows, K row length, BB/BN rows per program, 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -252,6 +253,96 @@ def _qmv_kernel(
     tl.store(out, acc, mask=bmask[:, None] & (n < N)[None, :])
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Q8_0 x one activation row (batch-1 decode, the bulk of the Q8_0 bytes): a dedicated kernel.
+# A program owns BN weight rows and a range of k-tiles of TK elements; per tile it loads [BN, TK] int8 quants
+# (contiguous per row: 16-byte loads), the [BN, TK/32] f16 scales and x[TK], sums each 32-element block
+# first and scales once per block (fewer multiplies and registers than per-element dequant). Rows may come
+# in groups of NG that each read their own x slice (qmatvec_grouped); plain matrices use NG = N.
+# Split-K partials go to a [S, N] buffer summed in fixed order (deterministic).
+
+
+@dataclass(frozen=True)
+class Q8Config:
+    """Tile of the batch-1 Q8_0 kernel: BN rows per program, TK elements per k-tile, warps, pipeline stages
+    of the k loop, and the number of programs split-K aims for."""
+
+    bn: int = 8
+    tk: int = 512
+    warps: int = 4
+    stages: int = 1
+    target: int = 528
+
+
+Q8_MV1 = Q8Config()  # tools/gpu/tune_decode.py times the alternatives on an H200
+
+
+@triton.jit
+def _q8_mv1_kernel(
+    x_ptr,
+    qs,
+    dsc,
+    out_ptr,
+    N,
+    K,
+    NG,
+    kt_per_split,
+    BN: tl.constexpr,
+    TK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    TB: tl.constexpr = TK // 32  # blocks per k-tile
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = tl.minimum(n, N - 1).to(tl.int64)
+    xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
+    blk = tl.arange(0, TB)
+    e = tl.arange(0, 32)
+    qp = qs + wrow[:, None, None] * K + blk[None, :, None] * 32 + e[None, None, :]  # [BN, TB, 32]
+    dp = dsc + wrow[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
+    xp = x_ptr + xbase + blk[:, None] * 32 + e[None, :]  # [TB, 32]
+    kt_lo = pid_s * kt_per_split
+    kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
+    acc = tl.zeros([BN, TB], dtype=tl.float32)
+    for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
+        q = tl.load(qp + kt * TK).to(tl.float32)
+        d = tl.load(dp + kt * TB).to(tl.float32)
+        xv = tl.load(xp + kt * TK).to(tl.float32)
+        acc += tl.sum(q * xv[None, :, :], axis=2) * d
+    tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
+
+
+def _q8_tile_k(k: int, cap: int) -> int:
+    for tk in (1024, 512, 256, 128, 64, 32):
+        if tk <= cap and k % tk == 0:
+            return tk
+    raise ValueError(f"Q8_0 needs a row length that is a multiple of 32, got K={k}")
+
+
+def q8_mv1(
+    x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8Config | None = None
+) -> torch.Tensor:
+    """x [G*K] (G groups of K, contiguous) with Q8_0 rows W [N, K] -> [N] f32; row n reads x group
+    n // rows_per_group (rows_per_group = N: a plain matvec). cfg: tile (default Q8_MV1)."""
+    cfg = cfg or Q8_MV1
+    N, K = w.rows, w.K
+    bn = cfg.bn
+    if rows_per_group % bn and rows_per_group != N:
+        raise ValueError(f"q8_mv1: {bn} rows per program must divide the group of {rows_per_group} rows")
+    tk = _q8_tile_k(K, cfg.tk)
+    n_prog, n_kt = triton.cdiv(N, bn), K // tk
+    splits = min(n_kt, max(1, triton.cdiv(cfg.target, n_prog)))
+    per = triton.cdiv(n_kt, splits)
+    splits = triton.cdiv(n_kt, per)
+    out = torch.empty(splits, N, dtype=torch.float32, device=x.device)
+    _q8_mv1_kernel[(n_prog, splits)](
+        x, w.data["qs"], w.data["d"], out, N, K, rows_per_group, per,
+        BN=bn, TK=tk, STAGES=cfg.stages, num_warps=cfg.warps,
+    )  # fmt: skip
+    return out[0] if splits == 1 else out.sum(0)
+
+
 def decode_tiles(b: int, x16: bool) -> tuple[int, int, bool]:
     """(BB, BN, use_dot) for a decode-sized batch b; x16: activations are bf16."""
     if b <= 4 or not x16:
@@ -275,9 +366,17 @@ def qmatvec(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     x = prep_x(x, w.K, "qmatvec")
     if not use_triton(x):
         return ref.qmatvec(x, w)
-    B, N, K = x.shape[0], w.N, w.K
+    B, N = x.shape[0], w.N
     if B == 0 or N == 0:
         return torch.zeros(B, N, dtype=torch.float32, device=x.device)
+    if B == 1 and w.qtype == GGMLType.Q8_0:
+        return q8_mv1(x, w, N).view(1, N)
+    return _qmatvec_tiles(x, w)
+
+
+def _qmatvec_tiles(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """The general kernel (any qtype, any B) behind qmatvec; x prepared, on a Triton device, B, N > 0."""
+    B, N, K = x.shape[0], w.N, w.K
     tk = tile_k(w)
     bb, bn, use_dot = decode_tiles(B, x.dtype == torch.bfloat16)
     grid_nb = triton.cdiv(N, bn) * triton.cdiv(B, bb)
@@ -331,6 +430,8 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     x2 = prep_x(x.reshape(B * G, K), K, "qmatvec_grouped")
     if not use_triton(x2):
         return ref.qmatvec_grouped(x2.reshape(B, G, K), w)
+    if B == 1 and w.qtype == GGMLType.Q8_0 and N > 0 and N % Q8_MV1.bn == 0:
+        return q8_mv1(x2, w, N).view(1, G, N)
     out = torch.empty(B, G, N, dtype=torch.float32, device=x.device)
     if B == 0 or N == 0:
         return out
@@ -351,4 +452,4 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["dot_rows", "qmatvec", "qmatvec_grouped", "use_triton"]
+__all__ = ["Q8Config", "Q8_MV1", "dot_rows", "q8_mv1", "qmatvec", "qmatvec_grouped", "use_triton"]

@@ -16,15 +16,18 @@ Legend: B rows, k experts per row, K model width (4096), F expert width (2048), 
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from ds4.quant.types import GGMLType
+
 from . import ref
 from .matvec import check_weight, dot_rows, prep_x, sub_width, tile_k, use_triton, weight_args
-from .packing import PackedWeight
-
-_BN = 16  # output rows per program: 16 x (B*k) programs keeps the GPU busy even at B = 1
+from .packing import PackedWeight, iq2xxs_grid_i64
 
 
 @triton.jit
@@ -45,26 +48,58 @@ def _gate_up_kernel(
     K,
     stride_x,
     clamp,
+    kt_per_split,
     QT: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
     SW: tl.constexpr,
     CLAMP: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
+    """SPLIT: write raw (g, u) partial sums of k-split program_id(2) to out [S, 2, pairs, F]; else the
+    finished clamped SwiGLU to out [pairs, F]."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)  # = b * n_slots + j
+    pid_s = tl.program_id(2)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)
     wrow = e * F + tl.minimum(n, F - 1)
     xrow = tl.zeros([1], dtype=tl.int64) + (pair // n_slots).to(tl.int64) * stride_x
     xmask = tl.full([1], 1, tl.int1)
-    g = dot_rows(g0, g1, g2, g3, wrow, x_ptr, xrow, xmask, 0, K // TK, K, QT, 1, BN, TK, SW, False)
-    u = dot_rows(u0, u1, u2, u3, wrow, x_ptr, xrow, xmask, 0, K // TK, K, QT, 1, BN, TK, SW, False)
+    lo = pid_s * kt_per_split
+    hi = tl.minimum(lo + kt_per_split, K // TK)
+    g = dot_rows(g0, g1, g2, g3, wrow, x_ptr, xrow, xmask, lo, hi, K, QT, 1, BN, TK, SW, False)
+    u = dot_rows(u0, u1, u2, u3, wrow, x_ptr, xrow, xmask, lo, hi, K, QT, 1, BN, TK, SW, False)
+    if SPLIT:
+        n_pairs = tl.num_programs(1)
+        base = out_ptr + (pid_s.to(tl.int64) * 2 * n_pairs + pair) * F
+        tl.store(base + n[None, :], g, mask=(n < F)[None, :])
+        tl.store(base + n_pairs.to(tl.int64) * F + n[None, :], u, mask=(n < F)[None, :])
+    else:
+        tl.store(
+            out_ptr + pair.to(tl.int64) * F + n[None, :], _swiglu(g, u, clamp, CLAMP), mask=(n < F)[None, :]
+        )
+
+
+@triton.jit
+def _swiglu(g, u, clamp, CLAMP: tl.constexpr):
     if CLAMP:
         g = tl.minimum(g, clamp)  # the gate has no lower bound (§5.5)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
-    mid = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u
-    tl.store(out_ptr + pair.to(tl.int64) * F + n[None, :], mid, mask=(n < F)[None, :])
+    return g / (1.0 + tl.exp(-g)) * u  # silu(g) * u
+
+
+@triton.jit
+def _swiglu_sum_kernel(part_ptr, out_ptr, M, S, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    """part [S, 2, M] (g, u partials) -> out [M] = SwiGLU(sum_s g, sum_s u), summed in fixed order."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < M
+    g = tl.zeros([BLOCK], dtype=tl.float32)
+    u = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(S):
+        g += tl.load(part_ptr + s * 2 * M + i, mask=m, other=0.0)
+        u += tl.load(part_ptr + (s * 2 + 1) * M + i, mask=m, other=0.0)
+    tl.store(out_ptr + i, _swiglu(g, u, clamp, CLAMP), mask=m)
 
 
 @triton.jit
@@ -79,21 +114,197 @@ def _down_kernel(
     out_ptr,
     D,
     F,
+    kt_per_split,
     QT: tl.constexpr,
     BN: tl.constexpr,
     TK: tl.constexpr,
     SW: tl.constexpr,
 ):
+    """out [S, pairs, D]: k-split program_id(2)'s share of weights[pair] * Wd[e] @ mid[pair]."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
+    pid_s = tl.program_id(2)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     rw = tl.load(rw_ptr + pair).to(tl.float32)
     n = pid_n * BN + tl.arange(0, BN)
     wrow = e * D + tl.minimum(n, D - 1)
     xrow = tl.zeros([1], dtype=tl.int64) + pair.to(tl.int64) * F
     xmask = tl.full([1], 1, tl.int1)
-    y = dot_rows(w0, w1, w2, w3, wrow, mid_ptr, xrow, xmask, 0, F // TK, F, QT, 1, BN, TK, SW, False)
-    tl.store(out_ptr + pair.to(tl.int64) * D + n[None, :], y * rw, mask=(n < D)[None, :])
+    lo = pid_s * kt_per_split
+    hi = tl.minimum(lo + kt_per_split, F // TK)
+    y = dot_rows(w0, w1, w2, w3, wrow, mid_ptr, xrow, xmask, lo, hi, F, QT, 1, BN, TK, SW, False)
+    out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
+    tl.store(out + n[None, :], y * rw, mask=(n < D)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dedicated decode kernels for the release expert formats (IQ2_XXS gate/up, Q2_K down). At B = 1 the general
+# dot_rows path is latency-bound (gate and up in two loops of half-blocks, scale bytes fetched inside the
+# inner loop): these load a whole super-block of every matrix at once per step, sum each group of x products
+# before scaling it, and use 32-bit table words.
+
+
+@triton.jit
+def _iq2_block(qs, sg, dd, tab32, wrow, kt, nb, xv):
+    """[BN] f32: one IQ2_XXS super-block kt of rows wrow dotted with xv [32, 2, 4] (its 256 x values).
+
+    Group g (8 elements) = grid row qs[g] (8 magnitude bytes = two int32 words) with sign pattern
+    KSIGNS[s], s = 7 bits of the sub-block word a1 (g // 4) at 7 * (g % 4); scale d * (0.5 + a1 >> 28) / 4."""
+    g = tl.arange(0, 32)
+    h = tl.arange(0, 2)
+    b = tl.arange(0, 4)
+    idx = tl.load(qs + wrow[:, None] * (nb * 32) + kt * 32 + g[None, :]).to(tl.int32)  # [BN, 32]
+    a1 = tl.load(sg + wrow[:, None] * (nb * 8) + kt * 8 + (g // 4)[None, :])  # [BN, 32] int32
+    d = tl.load(dd + wrow * nb + kt).to(tl.float32)  # [BN]
+    words = tl.load(tab32 + idx[:, :, None] * 2 + h[None, None, :])  # [BN, 32, 2] int32
+    mag = ((words[:, :, :, None] >> (8 * b)[None, None, None, :]) & 255).to(tl.float32)  # [BN, 32, 2, 4]
+    s = (a1 >> (7 * (g % 4))[None, :]) & 127
+    p = s ^ (s >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    signs = s | ((p & 1) << 7)  # [BN, 32]: bit j negates element j of the group
+    bit = (h[:, None] * 4 + b[None, :])[None, None, :, :]  # [1, 1, 2, 4]
+    neg = ((signs[:, :, None, None] >> bit) & 1) != 0
+    prod = tl.where(neg, -mag, mag) * xv[None, :, :, :]
+    grp = tl.sum(tl.sum(prod, axis=3), axis=2)  # [BN, 32]
+    db = (0.5 + ((a1 >> 28) & 15).to(tl.float32)) * 0.25
+    return tl.sum(grp * db, axis=1) * d
+
+
+@triton.jit
+def _iq2_gate_up_kernel(
+    x_ptr,
+    gq,
+    gs,
+    gd,
+    uq,
+    us,
+    ud,
+    tab32,
+    ids_ptr,
+    out_ptr,
+    n_slots,
+    F,
+    K,
+    stride_x,
+    clamp,
+    kt_per_split,
+    BN: tl.constexpr,
+    CLAMP: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """IQ2_XXS gate and up of one (row, slot) pair in one loop; outputs as _gate_up_kernel."""
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = e * F + tl.minimum(n, F - 1)
+    nb = K // 256
+    xo = x_ptr + (pair // n_slots).to(tl.int64) * stride_x
+    xcol = (
+        tl.arange(0, 32)[:, None, None] * 8
+        + tl.arange(0, 2)[None, :, None] * 4
+        + tl.arange(0, 4)[None, None, :]
+    )
+    lo = pid_s * kt_per_split
+    hi = tl.minimum(lo + kt_per_split, nb)
+    acc_g = tl.zeros([BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN], dtype=tl.float32)
+    for kt in range(lo, hi):
+        xv = tl.load(xo + kt * 256 + xcol).to(tl.float32)  # [32, 2, 4]
+        acc_g += _iq2_block(gq, gs, gd, tab32, wrow, kt, nb, xv)
+        acc_u += _iq2_block(uq, us, ud, tab32, wrow, kt, nb, xv)
+    if SPLIT:
+        n_pairs = tl.num_programs(1)
+        base = out_ptr + (pid_s.to(tl.int64) * 2 * n_pairs + pair) * F
+        tl.store(base + n, acc_g, mask=n < F)
+        tl.store(base + n_pairs.to(tl.int64) * F + n, acc_u, mask=n < F)
+    else:
+        tl.store(out_ptr + pair.to(tl.int64) * F + n, _swiglu(acc_g, acc_u, clamp, CLAMP), mask=n < F)
+
+
+@triton.jit
+def _q2k_down_kernel(
+    mid_ptr,
+    qs,
+    sc,
+    dm,
+    ids_ptr,
+    rw_ptr,
+    out_ptr,
+    D,
+    F,
+    kt_per_split,
+    BN: tl.constexpr,
+):
+    """Q2_K down projection; output as _down_kernel. Per super-block: element 128 hh + 32 t + 16 gg + i is
+    bits 2t of byte 32 hh + 16 gg + i, scale byte 8 hh + 2 t + gg; sum_i (dl q_i - ml) x_i is computed as
+    dl * sum_i q_i x_i - ml * sum_i x_i."""
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    rw = tl.load(rw_ptr + pair).to(tl.float32)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = e * D + tl.minimum(n, D - 1)
+    nb = F // 256
+    c = tl.arange(0, 4)  # 16-byte group c = 2 hh + gg
+    t = tl.arange(0, 4)  # shift pair
+    i = tl.arange(0, 16)
+    # x column of (c, t, i): 128 (c // 2) + 32 t + 16 (c % 2) + i
+    xcol = (
+        (c // 2)[:, None, None] * 128 + t[None, :, None] * 32 + (c % 2)[:, None, None] * 16 + i[None, None, :]
+    )
+    sidx = (c // 2)[:, None] * 8 + 2 * t[None, :] + (c % 2)[:, None]  # [4c, 4t] scale byte
+    xo = mid_ptr + pair.to(tl.int64) * F
+    lo = pid_s * kt_per_split
+    hi = tl.minimum(lo + kt_per_split, nb)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for kt in range(lo, hi):
+        q8 = tl.load(
+            qs + wrow[:, None, None] * (nb * 64) + kt * 64 + c[None, :, None] * 16 + i[None, None, :]
+        )
+        s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :])  # [BN, 4c, 4t]
+        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)
+        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)
+        xv = tl.load(xo + kt * 256 + xcol).to(tl.float32)  # [4c, 4t, 16]
+        q = ((q8[:, :, None, :] >> (2 * t)[None, None, :, None]) & 3).to(tl.float32)  # [BN, 4c, 4t, 16]
+        qx = tl.sum(q * xv[None, :, :, :], axis=3)  # [BN, 4c, 4t]
+        xs = tl.sum(xv, axis=2)  # [4c, 4t]
+        part = (s8 & 15).to(tl.float32) * qx * d[:, None, None] - (s8 >> 4).to(tl.float32) * xs[None] * dmin[
+            :, None, None
+        ]
+        acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
+    tl.store(out + n, acc * rw, mask=n < D)
+
+
+@functools.cache
+def _iq2_table32(device: torch.device) -> torch.Tensor:
+    """The IQ2_XXS grid as [512] int32 (low, high word of each 8-byte row)."""
+    return iq2xxs_grid_i64(device).view(torch.int32).contiguous()
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Decode launch shape: output rows per program, k-splits (programs per row tile), warps."""
+
+    bn: int = 16
+    splits: int = 1
+    warps: int = 4
+    fast: bool = True  # the dedicated IQ2_XXS gate/up and Q2_K down kernels where the format matches
+
+
+# Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
+GATE_UP = MoeConfig(bn=8, splits=1)
+DOWN = MoeConfig(bn=32, splits=1)
+
+
+def _splits(n_kt: int, want: int) -> tuple[int, int]:
+    """(k-tiles per split, splits) for at most `want` splits of n_kt k-tiles."""
+    per = triton.cdiv(n_kt, max(1, min(want, n_kt)))
+    return per, triton.cdiv(n_kt, per)
 
 
 def _check_ids(ids: torch.Tensor, b: int, device: torch.device, what: str) -> torch.Tensor:
@@ -105,7 +316,12 @@ def _check_ids(ids: torch.Tensor, b: int, device: torch.device, what: str) -> to
 
 
 def moe_gate_up(
-    x: torch.Tensor, wg: PackedWeight, wu: PackedWeight, ids: torch.Tensor, clamp: float
+    x: torch.Tensor,
+    wg: PackedWeight,
+    wu: PackedWeight,
+    ids: torch.Tensor,
+    clamp: float,
+    cfg: MoeConfig | None = None,
 ) -> torch.Tensor:
     """x [B, K], gate/up stacks [E, F, K], ids [B, k] -> mid [B, k, F] f32 = silu(min(g, c)) * clamp(u, -c, c)
     with g = Wg[ids] @ x, u = Wu[ids] @ x (clamp <= 0: no clamp). Unweighted (see module doc)."""
@@ -122,15 +338,38 @@ def moe_gate_up(
     out = torch.empty(B, k, F, dtype=torch.float32, device=x.device)
     if B * k == 0:
         return out
-    grid = (triton.cdiv(F, _BN), B * k)
-    _gate_up_kernel[grid](
-        x, *weight_args(wg), *weight_args(wu), ids, out, k, F, K, x.stride(0), float(clamp),
-        QT=int(wg.qtype), BN=_BN, TK=tile_k(wg), SW=sub_width(wg, tile_k(wg)), CLAMP=clamp > 0, num_warps=4,
-    )  # fmt: skip
+    cfg = cfg or GATE_UP
+    tk = tile_k(wg)
+    per, splits = _splits(K // tk, cfg.splits)
+    part = out if splits == 1 else torch.empty(splits, 2, B * k, F, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(F, cfg.bn), B * k, splits)
+    if wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
+        g, u = wg.data, wu.data
+        _iq2_gate_up_kernel[grid](
+            x, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], _iq2_table32(x.device), ids, part, k, F, K,
+            x.stride(0), float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1, num_warps=cfg.warps,
+        )  # fmt: skip
+    else:
+        _gate_up_kernel[grid](
+            x, *weight_args(wg), *weight_args(wu), ids, part, k, F, K, x.stride(0), float(clamp), per,
+            QT=int(wg.qtype), BN=cfg.bn, TK=tk, SW=sub_width(wg, tk), CLAMP=clamp > 0, SPLIT=splits > 1,
+            num_warps=cfg.warps,
+        )  # fmt: skip
+    if splits > 1:
+        block = 1024
+        _swiglu_sum_kernel[(triton.cdiv(B * k * F, block),)](
+            part, out, B * k * F, splits, float(clamp), CLAMP=clamp > 0, BLOCK=block, num_warps=4
+        )
     return out
 
 
-def moe_down(mid: torch.Tensor, weights: torch.Tensor, wd: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+def moe_down(
+    mid: torch.Tensor,
+    weights: torch.Tensor,
+    wd: PackedWeight,
+    ids: torch.Tensor,
+    cfg: MoeConfig | None = None,
+) -> torch.Tensor:
     """mid [B, k, F], router weights [B, k], down stack [E, D, F], ids [B, k] -> [B, D] f32
     = sum_j weights[b, j] * Wd[ids[b, j]] @ mid[b, j]."""
     check_weight(wd, 3, "moe_down", mid.device)
@@ -146,15 +385,25 @@ def moe_down(mid: torch.Tensor, weights: torch.Tensor, wd: PackedWeight, ids: to
         return ref.moe_down(mid, weights, wd, ids)
     D = wd.N
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down")
-    part = torch.empty(B, k, D, dtype=torch.float32, device=mid.device)
     if B * k == 0:
-        return part.sum(1)
-    grid = (triton.cdiv(D, _BN), B * k)
-    _down_kernel[grid](
-        mid, *weight_args(wd), ids, weights.float().contiguous(), part, D, F,
-        QT=int(wd.qtype), BN=_BN, TK=tile_k(wd), SW=sub_width(wd, tile_k(wd)), num_warps=4,
-    )  # fmt: skip
-    return part.sum(1)  # fixed order over the k slots: deterministic
+        return torch.zeros(B, D, dtype=torch.float32, device=mid.device)
+    cfg = cfg or DOWN
+    tk = tile_k(wd)
+    per, splits = _splits(F // tk, cfg.splits)
+    part = torch.empty(splits, B, k, D, dtype=torch.float32, device=mid.device)
+    grid = (triton.cdiv(D, cfg.bn), B * k, splits)
+    rw = weights.float().contiguous()
+    if wd.qtype == GGMLType.Q2_K and cfg.fast:
+        w = wd.data
+        _q2k_down_kernel[grid](
+            mid, w["qs"], w["sc"], w["dm"], ids, rw, part, D, F, per, BN=cfg.bn, num_warps=cfg.warps
+        )
+    else:
+        _down_kernel[grid](
+            mid, *weight_args(wd), ids, rw, part, D, F, per,
+            QT=int(wd.qtype), BN=cfg.bn, TK=tk, SW=sub_width(wd, tk), num_warps=cfg.warps,
+        )  # fmt: skip
+    return part.sum((0, 2))  # fixed order over the splits and k slots: deterministic
 
 
 def group_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,4 +421,4 @@ def group_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, to
     return order, offsets
 
 
-__all__ = ["group_by_expert", "moe_down", "moe_gate_up"]
+__all__ = ["DOWN", "GATE_UP", "MoeConfig", "group_by_expert", "moe_down", "moe_gate_up"]

@@ -188,7 +188,7 @@ def sweep() -> None:
     gen = torch.Generator(dev).manual_seed(1)
     saved = (
         matvec.TARGET_PROGRAMS,
-        moe._BN,
+        None,
         (matmul.BM, matmul.BN, matmul.WARPS, matmul.STAGES),
         matvec.DECODE_ROWS,
     )
@@ -211,7 +211,7 @@ def sweep() -> None:
             gbs = w.nbytes() / secs / 1e9
             print(f"{qt.name:8s} 4096->2048 rows {rows:3d}: {secs * 1e6:8.1f} us {gbs:7.0f} GB/s")
     matvec.DECODE_ROWS = saved[3]
-    print("--- sweep: moe._BN (rows per program), 6 of 256 experts")
+    print("--- sweep: moe rows per program (MoeConfig.bn, no split), 6 of 256 experts")
     wg = packed(IQ2, (N_EXP, FFN, DIM), gen)
     wd = packed(Q2K, (N_EXP, DIM, FFN), gen)
     for b in (1, 8):
@@ -220,11 +220,10 @@ def sweep() -> None:
         mid = torch.randn(b, TOPK, FFN, device=dev, generator=gen)
         weights = torch.rand(b, TOPK, device=dev, generator=gen)
         for bn in (8, 16, 32, 64):
-            moe._BN = bn
-            t_gu = bench(lambda: moe.moe_gate_up(x, wg, wg, ids, 10.0))  # noqa: B023
-            t_d = bench(lambda: moe.moe_down(mid, weights, wd, ids))  # noqa: B023
+            cfg = moe.MoeConfig(bn=bn)
+            t_gu = bench(lambda: moe.moe_gate_up(x, wg, wg, ids, 10.0, cfg))  # noqa: B023
+            t_d = bench(lambda: moe.moe_down(mid, weights, wd, ids, cfg))  # noqa: B023
             print(f"B={b:<3d} BN {bn:3d}: gate+up {t_gu * 1e6:8.1f} us  down {t_d * 1e6:8.1f} us")
-    moe._BN = saved[1]
     print("--- sweep: matmul (BM, BN, warps, stages), bf16 x, M = 4096")
     w = packed(Q8, (1024, 4096), gen)
     x = torch.randn(4096, 4096, device=dev, generator=gen).bfloat16()
@@ -329,7 +328,11 @@ def compile_only() -> int:
         mod.use_triton = lambda t: True
         for attr in (
             "_qmv_kernel",
+            "_q8_mv1_kernel",
             "_grouped_mv_kernel",
+            "_iq2_gate_up_kernel",
+            "_q2k_down_kernel",
+            "_swiglu_sum_kernel",
             "_gate_up_kernel",
             "_down_kernel",
             "_grouped_kernel",
@@ -349,8 +352,9 @@ def compile_only() -> int:
             matmul.moe_grouped(torch.randn(128, k).to(dt), w3, torch.tensor([0, 50, 50, 100, 128]).int())
         matvec.qmatvec_grouped(torch.randn(2, 4, k), w3)
         ids = torch.tensor([[0, 3], [2, 2]]).int()
-        moe.moe_gate_up(torch.randn(2, k), w3, w3, ids, 10.0)
-        moe.moe_down(torch.randn(2, 2, k), torch.rand(2, 2), w3, ids)
+        for cfg in (moe.GATE_UP, moe.DOWN, moe.MoeConfig(16, 2), moe.MoeConfig(8, 1, fast=False)):
+            moe.moe_gate_up(torch.randn(2, k), w3, w3, ids, 10.0, cfg)
+            moe.moe_down(torch.randn(2, 2, k), torch.rand(2, 2), w3, ids, cfg)
     target = GPUTarget("cuda", 90, 32)
     seen = set()
     failures = 0

@@ -32,9 +32,9 @@ from ds4.model.rope import rope_tail
 from ds4.model.state import EMPTY_SCORE
 
 try:  # the packed-weight matvec kernels (another module's family); the dense path works without them
-    from ds4.kernels.matvec import qmatvec
+    from ds4.kernels.matvec import qmatvec, qmatvec_grouped
 except ImportError:  # pragma: no cover - kernels not installed
-    qmatvec = None
+    qmatvec = qmatvec_grouped = None
 
 SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key temporaries
 
@@ -57,11 +57,10 @@ def lin(x: torch.Tensor, w: torch.Tensor | QLinear) -> torch.Tensor:
 def grouped_output(o: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor, groups: int) -> torch.Tensor:
     """o [T, H, D] -> [T, d] (model.md §5.4: each head group -> Ro by its out_a slice, then out_b)."""
     T = o.shape[0]
-    if isinstance(out_a, QLinear) and T == 1:  # decode: one matvec of all G group inputs, keep the diagonal
-        Ro = out_a.packed.N // groups
-        full = qmatvec(o.reshape(groups, -1), out_a.packed).view(groups, groups, Ro)  # [G in, G out, Ro]
-        low = torch.diagonal(full, dim1=0, dim2=1).T.reshape(1, -1)  # [1, G*Ro]
-        return lin(low, out_b)
+    if isinstance(out_a, QLinear) and T == 1:  # decode: each group's rows read once, on its own input slice
+        pa = out_a.packed
+        low = qmatvec_grouped(o.reshape(1, groups, -1), pa.view(groups, pa.N // groups, pa.K))  # [1, G, Ro]
+        return lin(low.reshape(1, -1), out_b)
     if isinstance(out_a, QLinear):
         out_a = out_a.dense
     og = o.reshape(T, groups, -1).transpose(0, 1)  # [G, T, H/G*D]
