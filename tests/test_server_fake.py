@@ -516,10 +516,12 @@ def test_disconnect_mid_stream_stops_within_one_token(tok: Tokenizer) -> None:
         with httpx.Client(base_url=s.base, timeout=30) as h:
             body = {"messages": [{"role": "user", "content": "go"}], "stream": True, "model": "deepseek-chat"}
             with h.stream("POST", "/v1/chat/completions", json=body) as r:
-                for line in r.iter_lines():
+                # keep a reference to the line iterator: a dropped one closes the connection at once
+                lines = r.iter_lines()
+                for line in lines:
                     if '"content"' in line:
                         break
-                assert held.wait(20)
+                assert held.wait(60)  # the decode loop is held at token 5; now the client leaves
         job = s.worker.current_job
         assert job.finished.wait(60), "the worker did not finish the cancelled job"
         assert job.cancelled and s.worker.metrics.cancelled_total == 1, (job.stats, s.worker.metrics)
@@ -531,20 +533,24 @@ def test_disconnect_mid_stream_stops_within_one_token(tok: Tokenizer) -> None:
 def test_disconnect_during_prefill_stops_prefill(tok: Tokenizer) -> None:
     with fake_server(tok, lambda req: "x") as s:
         calls = []
+        in_prefill = threading.Event()
 
         def sync_gate(tokens: list[int]) -> None:
             calls.append(len(tokens))
-            if len(calls) == 2:
+            if len(calls) == 2:  # hold the second chunk until the server sees the client leave
+                in_prefill.set()
                 s.worker.current_job.cancel.wait(60)
 
         s.session.sync_gate = sync_gate
         with httpx.Client(base_url=s.base, timeout=30) as h:
             body = {"messages": [{"role": "user", "content": LONG}], "stream": True, "model": "deepseek-chat"}
             with h.stream("POST", "/v1/chat/completions", json=body) as r:
-                next(r.iter_lines())  # headers + role chunk arrived; then the client leaves
-        s.worker.current_job.finished.wait(20)
-        assert s.worker.current_job.cancelled
-        assert len(calls) == 2  # prefill stopped at the next chunk boundary
+                lines = r.iter_lines()  # kept referenced: a dropped iterator closes the connection
+                next(lines)  # headers + role chunk arrived
+                assert in_prefill.wait(60), calls  # the worker is prefilling; now the client leaves
+        job = s.worker.current_job
+        assert job.finished.wait(60) and job.cancelled, job.stats
+        assert len(calls) == 2, calls  # prefill stopped at the next chunk boundary
         assert s.session.stats.decode_tokens == 0
 
 
