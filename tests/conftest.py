@@ -52,6 +52,20 @@ def shared_dir() -> Path:
     return SHARED
 
 
+@pytest.fixture(autouse=True)
+def _torch_one_thread():
+    """One torch thread: the test models are tiny, and on a shared 2-core machine extra threads only contend
+    (decode ran 10x slower with two). Re-applied after each test: in-process CLI runs may change it (-t N)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - the text layer's tests need no torch
+        yield
+        return
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+
+
 def cuda_available() -> bool:
     try:
         import torch

@@ -218,13 +218,6 @@ def private_lock(tmp_path, monkeypatch) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # -t 1 in an in-process run changes the global setting
-
-
 def official_short() -> tuple[list[int], list[int], np.ndarray]:
     """The official code's greedy run: prompt ids, continuation ids, logits [steps, V] (step 0 = prompt)."""
     cases = json.loads((OFFICIAL_TINY / "cases.json").read_text())["cases"]

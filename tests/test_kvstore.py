@@ -29,14 +29,6 @@ MIN = 64
 LOGGER = "ds4.kvstore"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 @pytest.fixture(scope="module")
 def engine(official_gguf):
     eng = ds4.Engine.open(official_gguf, backend="cpu")

@@ -23,15 +23,6 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6, rtol
     assert got.shape == want.shape and float(err.max()) <= 0, f"max excess {float(err.max()):.3e}"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread avoids oversubscription on shared CPUs."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _blocks_with_midpoints(rng: np.random.Generator, grid: np.ndarray, top: float, n_blocks: int, block: int):
     """Blocks whose values sit on grid points and exact midpoints (the rounding ties), at random scales.
 

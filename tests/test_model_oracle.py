@@ -25,15 +25,6 @@ def _cases(kind: str) -> list[dict]:
     return json.loads(path.read_text())[kind]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread avoids oversubscription on shared CPUs."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 @pytest.fixture(scope="module")
 def expected_logits() -> dict[str, np.ndarray]:
     with np.load(OFFICIAL_TINY / "logits.npz") as z:

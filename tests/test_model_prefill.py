@@ -18,14 +18,6 @@ MAX_TOL = 5e-3
 MEAN_TOL = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 @pytest.fixture(scope="module")
 def model(official_gguf):
     return load_model(official_gguf)

@@ -20,14 +20,6 @@ from ds4.errors import Ds4Error
 TOL = 5e-3  # prefill-vs-decode / official-vs-ours tolerance on logits (fixture README)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: extra threads only contend on the shared CPU
-    yield
-    torch.set_num_threads(prev)
-
-
 @pytest.fixture(scope="module")
 def engine(official_gguf):
     eng = ds4.Engine.open(official_gguf, backend="cpu")

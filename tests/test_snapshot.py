@@ -20,14 +20,6 @@ from ds4.engine.snapshot import payload_size
 PROMPT = [0] + [(7919 * i + 13) % 129280 for i in range(1, 70)]  # 70 tokens: 70 mod 4 = 2, mod 32 = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 @pytest.fixture(scope="module")
 def engine(official_gguf):
     eng = ds4.Engine.open(official_gguf)
