@@ -76,12 +76,13 @@ def test_moe_down(qtype):
 
 
 # Decode launch shapes: k-splits (3 super-blocks split 1, 2 or 3 ways), partial row tiles, and the general
-# dot_rows kernels (fast=False) next to the dedicated IQ2_XXS / Q2_K ones.
+# dot_rows kernels (the default) next to the dedicated IQ2_XXS / Q2_K ones (fast=True).
 DECODE_CONFIGS = [
-    moe.MoeConfig(16, 1),
-    moe.MoeConfig(8, 3),
-    moe.MoeConfig(32, 2),
-    moe.MoeConfig(8, 2, 4, False),
+    moe.MoeConfig(16, 1, 4, True),
+    moe.MoeConfig(8, 3, 4, True),
+    moe.MoeConfig(32, 2, 4, True),
+    moe.MoeConfig(8, 2),
+    moe.MoeConfig(32, 3),
 ]
 
 

@@ -138,10 +138,11 @@ def _down_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Dedicated decode kernels for the release expert formats (IQ2_XXS gate/up, Q2_K down). At B = 1 the general
-# dot_rows path is latency-bound (gate and up in two loops of half-blocks, scale bytes fetched inside the
-# inner loop): these load a whole super-block of every matrix at once per step, sum each group of x products
-# before scaling it, and use 32-bit table words.
+# Dedicated decode kernels for the release expert formats (IQ2_XXS gate/up, Q2_K down): a whole super-block
+# of every matrix per step, each group of x products summed before scaling, 32-bit table words. The guess was
+# that the general dot_rows path is latency-bound at B = 1; on the H200 these were SLOWER (gate+up 132 vs
+# 89 us, down ~62 vs 39-62 us): the IQ2_XXS decode is instruction-bound (~30 ops per weight), so they are off
+# by default (MoeConfig.fast) and kept, tested, as the base for an integer-dot (dp4a-style) version.
 
 
 @triton.jit
@@ -293,10 +294,12 @@ class MoeConfig:
     bn: int = 16
     splits: int = 1
     warps: int = 4
-    fast: bool = True  # the dedicated IQ2_XXS gate/up and Q2_K down kernels where the format matches
+    fast: bool = False  # the dedicated IQ2_XXS gate/up and Q2_K down kernels where the format matches
 
 
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
+# Measured 2026-11-29 on an H200 (Flash widths, 6 of 256 experts, cold L2): general kernels, gate+up bn 8
+# 89 us (bn 16: 115; k-splits 2-8 slower), down bn 32 39-62 us; the dedicated kernels (fast=True) 132 / 62 us.
 GATE_UP = MoeConfig(bn=8, splits=1)
 DOWN = MoeConfig(bn=32, splits=1)
 

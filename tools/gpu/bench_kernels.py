@@ -352,7 +352,7 @@ def compile_only() -> int:
             matmul.moe_grouped(torch.randn(128, k).to(dt), w3, torch.tensor([0, 50, 50, 100, 128]).int())
         matvec.qmatvec_grouped(torch.randn(2, 4, k), w3)
         ids = torch.tensor([[0, 3], [2, 2]]).int()
-        for cfg in (moe.GATE_UP, moe.DOWN, moe.MoeConfig(16, 2), moe.MoeConfig(8, 1, fast=False)):
+        for cfg in (moe.GATE_UP, moe.DOWN, moe.MoeConfig(16, 2), moe.MoeConfig(8, 1, fast=True)):
             moe.moe_gate_up(torch.randn(2, k), w3, w3, ids, 10.0, cfg)
             moe.moe_down(torch.randn(2, 2, k), torch.rand(2, 2), w3, ids, cfg)
     target = GPUTarget("cuda", 90, 32)

@@ -57,12 +57,11 @@ Q8_CONFIGS = [
     mv.Q8Config(4, 1024, 4, 1, 1056),
 ]
 GU_CONFIGS = [
-    moe.MoeConfig(bn, sp, w)
-    for bn, sp, w in ((4, 1, 4), (8, 1, 4), (8, 2, 4), (16, 1, 4), (16, 2, 4), (8, 1, 2), (4, 2, 4))
-] + [moe.MoeConfig(8, 1, 4, False)]
+    moe.MoeConfig(bn, sp, 4, fast) for fast in (False, True) for bn, sp in ((8, 1), (16, 1), (8, 2))
+]
 DOWN_CONFIGS = [
-    moe.MoeConfig(bn, sp, 4) for bn, sp in ((8, 1), (16, 1), (32, 1), (8, 2), (16, 2), (32, 2))
-] + [moe.MoeConfig(32, 1, 4, False)]
+    moe.MoeConfig(bn, sp, 4, fast) for fast in (False, True) for bn, sp in ((16, 1), (32, 1), (32, 2))
+]
 if "--quick" in sys.argv:  # the Q8_0 tiles were swept on 2026-11-29 (BENCHMARKS.md): confirm the top ones
     Q8_CONFIGS = [mv.Q8_MV1, mv.Q8Config(4, 1024, 4, 1, 1056), mv.Q8Config(8, 512, 4, 3, 2112)]
 DEV = torch.device("cuda")
