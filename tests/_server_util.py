@@ -2,8 +2,8 @@
 
 `FakeSession` has the engine Session's sync/eval contract and counters (prefix reuse, rebuild) without a
 model; `ScriptSource` is a TokenSource that emits a given text through the real tokenizer (then EOS), so the
-worker's decode loop, detokenizer, stop strings and DSML projection run for real. `LiveServer` runs the real
-app on uvicorn on a free loopback port in a background thread.
+decode loop (ds4.engine.generate), detokenizer, stop strings and DSML projection run for real. `LiveServer`
+runs the real app on uvicorn on a free loopback port in a background thread.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ScriptSource:
         job.stats["script"] = self.tok.encode_chat(self.script(job.request)) + [self.tok.eos_id]
         job.stats["emitted"] = 0
 
-    def next_token(self, job: Job, session: Any, greedy: bool) -> int:
+    def next_token(self, job: Job, logits: Any, params: Any, rng: Any, greedy: bool) -> int:
         n = job.stats["emitted"]
         if self.gate is not None:
             self.gate(job, n)

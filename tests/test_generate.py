@@ -20,6 +20,7 @@ from ds4.engine import Engine
 from ds4.engine.generate import (
     Finish,
     GenerateParams,
+    Prefilled,
     ReasoningDelta,
     TextDelta,
     TextRouter,
@@ -84,6 +85,21 @@ def run_script(engine, script, prompt=(0,), **kw) -> tuple[list[object], Scripte
     sess = ScriptedSession(engine, script)
     params = GenerateParams(max_tokens=kw.pop("max_tokens", 1000), sampling=GREEDY, **kw)
     return list(generate(sess, list(prompt), params)), sess
+
+
+class HeldSession:
+    """A session that already holds its prompt (the server prefilled it): sync must not run."""
+
+    def __init__(self, engine: Engine, prompt: Sequence[int], ctx: int = 4096) -> None:
+        self.engine, self.ctx, self.tokens = engine, ctx, list(prompt)
+        self.logits = torch.zeros(engine.config.n_vocab)
+
+    def sync(self, tokens: Sequence[int], progress=None) -> int:
+        raise AssertionError("a prefilled session must not be synced again")
+
+    def eval(self, token: int) -> torch.Tensor:
+        self.tokens.append(int(token))
+        return self.logits
 
 
 # ---- the text router on its own (pure strings) ----------------------------------------------------------
@@ -296,3 +312,51 @@ def test_seed_reproduces_sampled_tokens(engine):
 
     assert run(1234) == run(1234)
     assert len({run(s) for s in (1, 2, 3)}) > 1  # different seeds do reach different continuations
+
+
+# ---- the server's seams: a caller-side prefill, a token picker, evaluating the last token --------------
+
+
+def test_prefilled_session_decodes_only_and_reports_the_callers_prefill(engine):
+    tok = engine.tokenizer
+    script = tok.encode("ok then") + [tok.eos_id]
+    prompt = [tok.bos_id, 5, 6, 7]
+    sess = HeldSession(engine, prompt)
+    seen: list[float] = []
+
+    def pick(logits, params, rng) -> int:  # ignores the logits: the script decides
+        seen.append(params.temperature)
+        return script[len(sess.tokens) - len(prompt)]
+
+    params = GenerateParams(sampling=SamplingParams(temperature=0.7))
+    events = list(generate(sess, prompt, params, prefilled=Prefilled(3, 0.25), next_token=pick))
+    _, text, tokens, fin = split_events(events)
+    assert (text, tokens, fin.reason, fin.eos) == ("ok then", script[:-1], "stop", True)
+    assert sess.tokens == prompt + script[:-1] and seen == [0.7] * len(script)
+    assert (fin.usage.prompt_tokens, fin.usage.prefilled_tokens, fin.usage.reused_tokens) == (4, 3, 1)
+    assert fin.timing.prefill_s == 0.25 and fin.timing.ttft_s >= 0.25  # TTFT counts the caller's prefill
+
+
+def test_eval_last_keeps_every_generated_token_in_the_session(engine):
+    prompt = [engine.tokenizer.bos_id]
+    for eval_last, held in ((False, 2), (True, 3)):
+        sess = HeldSession(engine, prompt)
+        params = GenerateParams(max_tokens=3, stop_at_eos=False)
+        fin = list(
+            generate(
+                sess,
+                prompt,
+                params,
+                prefilled=Prefilled(1, 0.0),
+                next_token=lambda *a: 9,
+                eval_last=eval_last,
+            )
+        )[-1]
+        assert fin.reason == "length" and fin.tokens == (9, 9, 9) and sess.tokens == prompt + [9] * held
+
+
+def test_prefilled_cancel_is_checked_before_the_first_token(engine):
+    prompt = [engine.tokenizer.bos_id]
+    sess = HeldSession(engine, prompt)
+    fin = list(generate(sess, prompt, GenerateParams(), prefilled=Prefilled(1, 0.0), cancel=lambda: True))[-1]
+    assert fin.reason == "cancelled" and fin.tokens == () and sess.tokens == prompt

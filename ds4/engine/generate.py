@@ -16,7 +16,11 @@ no policy about caching, no protocol. Guarantees:
 
 Stop strings are matched on the whole generated text (reasoning included), as ds4's server does. EOS is a
 stop, not text. The last sampled token is not evaluated (nothing needs its logits), so on return the session
-holds the prompt plus every generated token but the last one (all of them when the model stopped on EOS).
+holds the prompt plus every generated token but the last one (all of them when the model stopped on EOS);
+with `eval_last=True` a generation that ran to max_tokens evaluates its last token too.
+
+The server worker keeps its own cache policy and cancellable chunked prefill: it passes `prefilled=` (the
+session already holds the prompt; generate only decodes) and a `next_token` seam (its tests script tokens).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 # (next-token logits [V], sampling params) -> possibly changed (logits, params) for this one token; the
 # server uses it for the DSML greedy-structure rule (force temperature 0 while inside tool-call structure).
 LogitsHook = Callable[["torch.Tensor", SamplingParams], "tuple[torch.Tensor, SamplingParams]"]
+# (next-token logits [V], sampling params, rng) -> the next token id; the default is `sampling.sample`.
+NextToken = Callable[["torch.Tensor", SamplingParams, Rng], int]
 ProgressFn = Callable[[int, int], None]  # prefill progress: (tokens done, tokens to prefill)
 Cancel = threading.Event | Callable[[], bool] | None
 
@@ -104,6 +110,14 @@ class Finish:
 
 
 Event = TokenEvent | ReasoningDelta | TextDelta | Finish
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A caller that synced the session to the prompt itself: what that prefill cost (for Usage/Timing)."""
+
+    tokens: int  # prompt tokens run through prefill (the rest came from the held KV)
+    seconds: float  # wall time of that prefill
 
 
 @dataclass(frozen=True)
@@ -246,11 +260,16 @@ def generate(
     logits_hook: LogitsHook | None = None,
     progress: ProgressFn | None = None,
     tokenizer: Tokenizer | None = None,
+    prefilled: Prefilled | None = None,
+    next_token: NextToken = sample,
+    eval_last: bool = False,
 ) -> Iterator[Event]:
     """Prefill `prompt` (reusing the session's KV where it can) and stream the continuation as events.
 
-    `rng` lets a caller keep one RNG across turns (default: params.sampling.make_rng()). The last event is
-    always a Finish.
+    `rng` lets a caller keep one RNG across turns (default: params.sampling.make_rng()). `prefilled`: the
+    session already holds exactly `prompt` (the caller prefilled it, at that cost); only decode runs here.
+    `next_token` picks each token from the (hooked) logits. `eval_last`: at max_tokens, evaluate the last
+    token too (the server keeps every generated token in its KV). The last event is always a Finish.
     """
     params = params or GenerateParams()
     tok = tokenizer if tokenizer is not None else session.engine.tokenizer
@@ -265,7 +284,7 @@ def generate(
     t0 = time.perf_counter()
     t_prefill_end = t0
     ttft: float | None = None
-    prefilled = 0
+    n_prefilled = 0
 
     def finish(
         reason: FinishReason, *, eos: bool = False, error: str | None = None, exc: Exception | None = None
@@ -274,23 +293,27 @@ def generate(
             yield from (_delta(k, t) for k, t in router.push(decoder.flush()))
         yield from (_delta(k, t) for k, t in router.finish())
         t_end = time.perf_counter()
-        usage = Usage(len(prompt), prefilled, len(prompt) - prefilled, len(generated))
-        timing = Timing(t_prefill_end - t0, t_end - t_prefill_end, ttft, prefilled, len(generated))
+        usage = Usage(len(prompt), n_prefilled, len(prompt) - n_prefilled, len(generated))
+        timing = Timing(t_prefill_end - t0, t_end - t_prefill_end, ttft, n_prefilled, len(generated))
         yield Finish(
             reason, usage, timing, router.reasoning, router.text, tuple(generated),
             router.stop_string, eos, error, exc,
         )  # fmt: skip
 
-    if _cancelled(cancel):
-        yield from finish("cancelled")
-        return
-    try:
-        prefilled = session.sync(prompt, progress)
-    except Exception as e:  # a prompt that does not fit, a failing forward pass: the caller decides
+    if prefilled is not None:  # the clock starts where the caller's prefill started (TTFT includes it)
+        t0 -= prefilled.seconds
+        n_prefilled = prefilled.tokens
+    else:
+        if _cancelled(cancel):
+            yield from finish("cancelled")
+            return
+        try:
+            n_prefilled = session.sync(prompt, progress)
+        except Exception as e:  # a prompt that does not fit, a failing forward pass: the caller decides
+            t_prefill_end = time.perf_counter()
+            yield from finish("error", error=f"prompt processing failed: {e}", exc=e)
+            return
         t_prefill_end = time.perf_counter()
-        yield from finish("error", error=f"prompt processing failed: {e}", exc=e)
-        return
-    t_prefill_end = time.perf_counter()
     max_tokens = max(0, min(params.max_tokens, session.ctx - len(prompt)))
     logits = session.logits
     while True:
@@ -303,7 +326,7 @@ def generate(
         sp = params.sampling
         if logits_hook is not None:
             logits, sp = logits_hook(logits, sp)
-        token = sample(logits, sp, rng)
+        token = next_token(logits, sp, rng)
         if ttft is None:
             ttft = time.perf_counter() - t0
         if params.stop_at_eos and token == tok.eos_id:
@@ -317,7 +340,7 @@ def generate(
         if router.stopped:
             yield from finish("stop")
             return
-        if len(generated) >= max_tokens:
+        if len(generated) >= max_tokens and not eval_last:
             continue  # the last token needs no evaluation
         try:
             logits = session.eval(token)

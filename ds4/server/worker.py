@@ -3,12 +3,13 @@
 One thread owns the session (KV state + logits). HTTP handlers render and tokenize on their own threads,
 then `submit()` a Job; the worker runs jobs FIFO: cache decision (§5.2: live token prefix, live text prefix,
 disk checkpoint, cold), chunked prefill that checks the job's cancel flag between chunks and sends
-keepalives, the decode loop (sampling with greedy-for-structure, stop strings, max tokens, cancel checked
-every token, the DSML streaming projection), exact-DSML tool memory, and the disk-cache stores (cold,
-continued, evict). Events go back through the job's `emit` callback (thread-safe on the handler side).
+keepalives, then decode through the shared loop `ds4.engine.generate.generate` (max tokens, cancel checked
+every token, usage and timing), on which the worker adds greedy-for-structure sampling, stop strings, the
+DSML streaming projection, exact-DSML tool memory, and the disk-cache stores (cold, continued, evict).
+Events go back through the job's `emit` callback (thread-safe on the handler side).
 
-`TokenSource` is the seam where a test double replaces the model's sampler: the worker asks it for the
-next token id and evaluates that token in the session like any sampled one.
+`TokenSource` is the seam where a test double replaces the model's sampler: generate asks it (through the
+worker) for the next token id and evaluates that token in the session like any sampled one.
 """
 
 from __future__ import annotations
@@ -47,27 +48,25 @@ class SessionLike(Protocol):
 
 
 class TokenSource(Protocol):
+    """Picks each decode token. `params` and `rng` are the job's (ds4.engine.sampling); `greedy` is the DSML
+    greedy-for-structure rule: the next token lies inside tool-call structure."""
+
     def start(self, job: Job) -> None: ...
-    def next_token(self, job: Job, session: SessionLike, greedy: bool) -> int: ...
+    def next_token(self, job: Job, logits: Any, params: Any, rng: Any, greedy: bool) -> int: ...
 
 
 class SamplerSource:
-    """The real source: ds4.engine.sampling over the session's next-token logits."""
+    """The real source: ds4.engine.sampling over the next-token logits, at temperature 0 when greedy."""
 
     def start(self, job: Job) -> None:
-        from ds4.engine.sampling import SamplingParams
+        pass
 
-        s = job.request.sampling
-        job.params = SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
-        job.rng = job.params.make_rng()
-
-    def next_token(self, job: Job, session: SessionLike, greedy: bool) -> int:
+    def next_token(self, job: Job, logits: Any, params: Any, rng: Any, greedy: bool) -> int:
         from dataclasses import replace
 
         from ds4.engine.sampling import sample
 
-        params = replace(job.params, temperature=0.0) if greedy else job.params
-        return sample(session.logits, params, job.rng)  # type: ignore[attr-defined]
+        return sample(logits, replace(params, temperature=0.0) if greedy else params, rng)
 
 
 @dataclass
@@ -77,8 +76,6 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False  # set by the worker when it stopped early because of `cancel`
-    params: Any = None
-    rng: Any = None
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,7 +119,13 @@ class Metrics:
 
 
 class StopScanner:
-    """Stop strings (§4.3): text passes through except the last maxlen-1 chars, which could begin a match."""
+    """Stop strings (§4.3): text passes through except the last maxlen-1 chars, which could begin a match.
+
+    Kept apart from generate's TextRouter on purpose: §4.3 streams with exactly this maxlen-1 hold-back (the
+    router holds back only a real partial match), a match ends generation as soon as it is complete (the
+    router waits while an earlier-starting stop could still complete), and the server's KV keeps the token
+    that completed the stop (the router ends generation before evaluating it).
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -248,7 +251,7 @@ class Worker:
         self.metrics.prefill_tokens_total += prefilled
         job.stats.update(cache_source=source, prefilled=prefilled, cached=reused, prompt=len(tokens))
         job.emit(Started(len(tokens), reused))
-        done = self._decode(job, tokens, reused)
+        done = self._decode(job, tokens, reused, prefilled, dt)
         self._requests_on_live += 1
         self._binding = self._visible_binding(req, done, job.stats.get("stop_hit", False))
         log.info(
@@ -440,71 +443,106 @@ class Worker:
             self.session.sync(tokens)  # nothing to prefill; makes the checkpoint current
         return min(reused, len(tokens))
 
-    def _decode(self, job: Job, prompt: list[int], reused: int) -> Done:
-        req, tok, session = job.request, self.tok, self.session
+    def _decode(self, job: Job, prompt: list[int], reused: int, prefilled: int, prefill_s: float) -> Done:
+        """Decode after `_prefill` through the shared generation loop; the session holds `prompt`."""
+        from ds4.engine.generate import Finish, Prefilled, TokenEvent, generate
+
+        req, session = job.request, self.session
         raw = req.dialect == "completions"
         stream = (
             None if raw else DsmlStream(thinking=req.thinking, id_prefix=req.id_prefix, taken=self._taken)
         )
         tracker = DsmlTracker() if req.tools and not raw else None
-        stopper = StopScanner(req.stops)
-        decoder = tok.stream_decoder()
-        limit = req.max_tokens if req.max_tokens is not None else self.opt.default_max_tokens
-        limit = max(0, min(limit, self.opt.ctx - len(prompt)))
+        stopper = StopScanner(req.stops)  # the stops stay here, not in generate: see StopScanner
         self.source.start(job)
-        pieces: list[str] = []
-        finish, n, t0 = "length", 0, time.perf_counter()
-        while n < limit:
-            if job.cancel.is_set():  # the client went away: not one token more
-                job.cancelled = True
-                self.metrics.cancelled_total += 1
-                finish = "error"
-                break
-            token = self.source.next_token(job, session, bool(tracker and tracker.force_greedy))
-            n += 1
-            if token == tok.eos_id:
-                finish = "stop"
-                break
-            if len(session.tokens) < self.opt.ctx:
-                session.eval(token)
-            piece = decoder.push(token)
-            if tracker is not None:
-                tracker.update(piece)
-            text = stopper.feed(piece)
-            pieces.append(text)
-            self._forward_text(job, stream, text)
-            if stopper.hit:
-                job.stats["stop_hit"] = True
-                finish = "stop"
-                break
-            if stream is not None and req.tools and stream.block_ended:
-                finish = "tool_calls"
-                break
-            if len(session.tokens) >= self.opt.ctx:
-                break
+        halt: str | None = None  # the finish the worker itself ended on: a stop string, a closed tool block
+        store_due = False  # the last token's continued store, once generate has evaluated that token
+
+        def pick(logits: Any, sp: Any, rng: Any) -> int:
+            nonlocal store_due
+            if store_due:  # generate evaluated the previous token: its continued store comes first
+                self._maybe_continued_store(stream)
+                store_due = False
+            return self.source.next_token(job, logits, sp, rng, bool(tracker and tracker.force_greedy))
+
+        events = generate(
+            session,  # type: ignore[arg-type]
+            prompt,
+            self._generate_params(req, len(prompt)),
+            cancel=lambda: halt is not None or job.cancel.is_set(),
+            tokenizer=self.tok,
+            prefilled=Prefilled(prefilled, prefill_s),
+            next_token=pick,
+            eval_last=True,  # the KV keeps every generated token: the next turn continues on it
+        )
+        pieces: list[str] = []  # the text after stop scanning
+        seen = 0  # characters of raw token text so far
+        fin: Finish | None = None
+        for ev in events:
+            if isinstance(ev, Finish):
+                fin = ev
+            elif isinstance(ev, TokenEvent):
+                seen += len(ev.piece)
+                if tracker is not None:
+                    tracker.update(ev.piece)
+                text = stopper.feed(ev.piece)
+                pieces.append(text)
+                self._forward_text(job, stream, text)
+                if stopper.hit:
+                    job.stats["stop_hit"] = True
+                    halt = "stop"
+                elif stream is not None and req.tools and stream.block_ended:
+                    halt = "tool_calls"
+                else:
+                    store_due = True
+        assert fin is not None  # generate always ends with a Finish
+        if fin.reason == "error":
+            raise fin.exception or RuntimeError(fin.error)
+        if store_due:
             self._maybe_continued_store(stream)
-        tail = "" if stopper.hit else stopper.feed(decoder.flush())
-        tail += "" if stopper.hit else stopper.flush()
-        pieces.append(tail)
-        self._forward_text(job, stream, tail)
-        if stream is not None:
-            for ev in stream.finish():
-                job.emit(ev)
-            message = stream.message
-        else:
-            message = ParsedMessage(reasoning=None, content="".join(pieces))
+        finish = halt or ("error" if fin.reason == "cancelled" else fin.reason)
+        if finish == "error":  # the client went away: not one token more
+            job.cancelled = True
+            self.metrics.cancelled_total += 1
+        if not stopper.hit:  # what the detokenizer still held (an incomplete UTF-8 tail) goes out now
+            tail = stopper.feed(fin.text[seen:]) + stopper.flush()
+            pieces.append(tail)
+            self._forward_text(job, stream, tail)
+        message = self._message(job, stream, "".join(pieces))
         if message.calls:
             finish = "tool_calls"
-            if message.raw_dsml and self.opt.exact_replay:
-                with self.memory_lock:
-                    self.memory.remember([c.id for c in message.calls], message.raw_dsml)
-        dt = time.perf_counter() - t0
-        if n and dt > 0:
-            self.metrics.decode_tps = n / dt
+        n = len(fin.tokens) + fin.eos  # the server counts the EOS token as generated
+        if n and fin.timing.decode_s > 0:
+            self.metrics.decode_tps = n / fin.timing.decode_s
         self.metrics.generated_tokens_total += n
         job.stats["generated"] = n
         usage = Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=reused)
         return Done(finish=finish, message=message, usage=usage, raw_text="".join(pieces))  # type: ignore[arg-type]
+
+    def _generate_params(self, req: Request, prompt_len: int) -> Any:
+        """The request's limits and sampling as ds4.engine.generate.GenerateParams (no stop strings)."""
+        from ds4.engine.generate import GenerateParams
+        from ds4.engine.sampling import SamplingParams
+
+        limit = req.max_tokens if req.max_tokens is not None else self.opt.default_max_tokens
+        s = req.sampling
+        return GenerateParams(
+            max_tokens=max(0, min(limit, self.opt.ctx - prompt_len)),
+            sampling=SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, s.seed),
+            thinking=False,  # raw text back: DsmlStream does the thinking split
+        )
+
+    def _message(self, job: Job, stream: DsmlStream | None, text: str) -> ParsedMessage:
+        """Close the DSML projection (its last events go out) and remember the exact DSML of any calls."""
+        if stream is None:
+            return ParsedMessage(reasoning=None, content=text)
+        for ev in stream.finish():
+            job.emit(ev)
+        message = stream.message
+        if message.calls and message.raw_dsml and self.opt.exact_replay:
+            with self.memory_lock:
+                self.memory.remember([c.id for c in message.calls], message.raw_dsml)
+        return message
 
     def _taken(self, tool_id: str) -> bool:
         with self.memory_lock:
@@ -520,7 +558,7 @@ class Worker:
             job.emit(ev)
 
     def _maybe_continued_store(self, stream: DsmlStream | None) -> None:
-        if self.kv is None:
+        if self.kv is None or len(self.session.tokens) >= self.opt.ctx:  # a full context is not continued
             return
         in_block = bool(stream is not None and stream.in_block)
         if self.kv.continued_due(len(self.session.tokens), self._last_stored, in_tool_block=in_block):
