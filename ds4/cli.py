@@ -419,13 +419,9 @@ def default_backend() -> str:
     return "cpu"
 
 
-def set_threads(args: argparse.Namespace) -> None:
-    """-t N (or $DS4_THREADS): torch intra-op threads. Fewer threads than cores avoids oversubscription."""
-    threads = args.threads or _env_threads()
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+def requested_threads(args: argparse.Namespace) -> int | None:
+    """-t N (or $DS4_THREADS): torch intra-op threads; None lets the engine choose."""
+    return int(args.threads) if args.threads else _env_threads()
 
 
 def _env_threads() -> int | None:
@@ -440,8 +436,7 @@ def open_engine(args: argparse.Namespace, stack: contextlib.ExitStack) -> Engine
 
     path = resolve_model_path(args.model)
     stack.enter_context(InstanceLock())
-    set_threads(args)
-    engine = Engine.open(path, backend=args.backend or default_backend())
+    engine = Engine.open(path, backend=args.backend or default_backend(), threads=requested_threads(args))
     stack.callback(engine.close)
     return engine
 

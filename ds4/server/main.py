@@ -94,12 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ds4.server.app import ServerOptions, create_app
     from ds4.server.worker import Worker, WorkerOptions
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
-        engine = Engine.open(resolve_model_path(args.model), backend=args.backend)
+        engine = Engine.open(resolve_model_path(args.model), backend=args.backend, threads=args.threads)
     except (Ds4Error, OSError, ValueError) as err:
         print(f"ds4-server: {err}", file=sys.stderr)
         return 1
