@@ -1,9 +1,10 @@
 """Attention sublayer: Q/KV paths, compressors, indexer, sink attention, output (model.md §5.4, §6-§8).
 
-Legend: T tokens of the chunk, d = n_embd, H query heads, D = head_dim, R = n_rot, Rq = q_lora_rank,
-G output groups, Ro = o_lora_rank, r = compress ratio, c = 2 if r == 4 else 1, h = compressed row width
-(D for the attention compressor, Di for the indexer one), K windows completed in the chunk,
-C compressed rows visible after the chunk, Hi/Di indexer heads/dim, N raw key rows.
+Legend: T tokens of the chunk, B sessions of a batched decode step, d = n_embd, H query heads,
+D = head_dim, R = n_rot, Rq = q_lora_rank, G output groups, Ro = o_lora_rank, r = compress ratio,
+c = 2 if r == 4 else 1, h = compressed row width (D for the attention compressor, Di for the indexer one),
+K windows completed in the chunk, C compressed rows visible after the chunk, Hi/Di indexer heads/dim,
+N raw key rows.
 """
 
 from __future__ import annotations
@@ -238,24 +239,91 @@ def attention_forward(
 ) -> torch.Tensor:
     """Attention output [T, d] for the chunk xn [T, d] (attn-normed) at consecutive positions [T];
     appends the chunk's raw rows, compressed rows and frontier updates to kv_state."""
-    H, D, R, eps = shape.n_head, shape.head_dim, shape.n_rot, shape.rms_eps
-    p0 = int(positions[0])
+    qn, q, kv = project_qkv(w, shape, xn, positions, inv_freq)
+    o = attend(w, shape, kv_state, xn, qn, q, kv, positions, inv_freq)
+    return attention_output(w, shape, o, positions, inv_freq)
 
+
+def attention_decode_batch(
+    w: AttentionWeights,
+    shape: AttentionShape,
+    kv_states: list[LayerKV],
+    xn: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token for each of B sessions: xn [B, d] at positions [B] (row b belongs to
+    kv_states[b]) -> [B, d]. Projections run batched; the KV-touching part runs per session."""
+    qn, q, kv = project_qkv(w, shape, xn, positions, inv_freq)
+    o = torch.cat(
+        [
+            attend(
+                w,
+                shape,
+                st,
+                xn[b : b + 1],
+                qn[b : b + 1],
+                q[b : b + 1],
+                kv[b : b + 1],
+                positions[b : b + 1],
+                inv_freq,
+            )
+            for b, st in enumerate(kv_states)
+        ]
+    )  # [B, H, D]
+    return attention_output(w, shape, o, positions, inv_freq)
+
+
+def project_qkv(
+    w: AttentionWeights,
+    shape: AttentionShape,
+    xn: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token projections (no state): qn [T, Rq], q [T, H, D] (RoPE'd), kv [T, D] (RoPE'd, FP8 nope)."""
+    H, D, R, eps = shape.n_head, shape.head_dim, shape.n_rot, shape.rms_eps
     qn = rms_norm(F.linear(xn, w.q_a), w.q_a_norm, eps)  # [T, Rq] (also the indexer's query input)
     q = F.linear(qn, w.q_b).unflatten(-1, (H, D))  # [T, H, D]
     q = rope_tail(rms_norm(q, None, eps), positions, inv_freq)  # per-head RMS without weight
 
     kv = rms_norm(F.linear(xn, w.kv), w.kv_norm, eps)  # [T, D] one shared K=V row per token
     kv = fp8_nope(rope_tail(kv, positions, inv_freq), R)
+    return qn, q, kv
 
+
+def attend(
+    w: AttentionWeights,
+    shape: AttentionShape,
+    kv_state: LayerKV,
+    xn: torch.Tensor,
+    qn: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> torch.Tensor:
+    """The stateful part for one session's chunk at consecutive positions: compressors, indexer, raw
+    window append and sink attention. Returns o [T, H, D] (RoPE tail still rotated)."""
+    p0 = int(positions[0])
     comp, comp_visible = compressed_keys(w, shape, kv_state, xn, qn, positions, inv_freq)  # [C, D], [T, C]
 
     raw = torch.cat([kv_state.raw, kv])  # [N, D] previous window rows + this chunk's rows
     raw_pos = torch.arange(p0 - kv_state.raw.shape[0], p0 + kv.shape[0])
     o = sink_attention(q, raw, raw_pos, positions, shape.window, comp, comp_visible, w.sinks)
     kv_state.raw = raw[-shape.window :].clone()
+    return o
 
-    o = rope_tail(o, positions, inv_freq, inverse=True)  # de-rotate the tail at the query position
+
+def attention_output(
+    w: AttentionWeights,
+    shape: AttentionShape,
+    o: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> torch.Tensor:
+    """o [T, H, D] -> [T, d]: de-rotate the tail at the query position, then the grouped output."""
+    o = rope_tail(o, positions, inv_freq, inverse=True)
     return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
 
 

@@ -1,11 +1,11 @@
 """One decoder block: HC pre -> attention -> HC post -> HC pre -> MoE -> HC post (model.md §5).
 
-Legend: T tokens of the chunk, S HC streams, d = n_embd.
+Legend: T tokens of the chunk, B sessions of a batched decode step, S HC streams, d = n_embd.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +16,7 @@ from ds4.model.attention import (
     AttentionWeights,
     CompressorWeights,
     IndexerWeights,
+    attention_decode_batch,
     attention_forward,
 )
 from ds4.model.hc import HCWeights, hc_post, hc_pre
@@ -119,12 +120,32 @@ class Block:
         self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv: LayerKV
     ) -> torch.Tensor:
         """X [T, S, d] streams of the chunk -> new streams [T, S, d]; mutates kv."""
+
+        def attn(xn: torch.Tensor) -> torch.Tensor:
+            return attention_forward(self.w.attn, self.shape, kv, xn, positions, self.inv_freq)
+
+        return self._run(X, tokens, attn)
+
+    def decode_batch(
+        self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kvs: Sequence[LayerKV]
+    ) -> torch.Tensor:
+        """One decode token per session: X [B, S, d] (row b at positions[b] of kvs[b]) -> [B, S, d]."""
+
+        def attn(xn: torch.Tensor) -> torch.Tensor:
+            return attention_decode_batch(self.w.attn, self.shape, list(kvs), xn, positions, self.inv_freq)
+
+        return self._run(X, tokens, attn)
+
+    def _run(
+        self, X: torch.Tensor, tokens: torch.Tensor, attn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The block around its attention `attn` (xn [T, d] -> [T, d]); every other op is per token."""
         cfg, w = self.cfg, self.w
         hc = dict(iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
 
         x, post, comb = hc_pre(X, w.hc_attn, **hc)
         xn = rms_norm(x, w.attn_norm, cfg.rms_eps)  # [T, d]
-        X = hc_post(attention_forward(w.attn, self.shape, kv, xn, positions, self.inv_freq), X, post, comb)
+        X = hc_post(attn(xn), X, post, comb)
 
         x, post, comb = hc_pre(X, w.hc_ffn, **hc)
         xf = rms_norm(x, w.ffn_norm, cfg.rms_eps)

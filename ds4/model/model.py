@@ -1,6 +1,6 @@
 """DS4Model: the whole forward pass on the CPU in float32 (model.md §5-§10).
 
-Legend: T tokens of the chunk, S HC streams, d = n_embd, V vocabulary.
+Legend: T tokens of the chunk, B sessions of a batched decode step, S HC streams, d = n_embd, V vocabulary.
 `forward` feeds a chunk at positions state.n_tokens.. layer-major (all T tokens through layer 0, then
 layer 1, ...), which equals the per-token recurrence: every token only sees its own window, the
 compressed rows its position makes visible, and compressor frontiers advanced token by token.
@@ -73,6 +73,33 @@ class DS4Model:
             X = block.forward(X, ids, positions, kv)
         state.n_tokens = p0 + T
         return self.logits(X[-1:])[0]
+
+    @torch.no_grad()
+    def decode_batch(self, states: Sequence[KVState], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step for B sessions at their own positions: tokens[b] is fed to states[b]
+        (each mutated). Per-token work (embedding, HC, projections, MoE, head) runs batched, the
+        KV-touching attention part per session. Returns float32 logits [B, V]."""
+        cfg, B = self.cfg, len(states)
+        if B == 0 or len(tokens) != B:
+            raise ValueError(f"decode_batch needs one token per state: got {len(tokens)} tokens, {B} states")
+        if len({id(s) for s in states}) != B:
+            raise ValueError("decode_batch got the same state twice (one token per session per step)")
+        for s in states:
+            if s.n_tokens + 1 > s.ctx:
+                raise ValueError(f"context overflow: {s.n_tokens} tokens + 1 new > ctx {s.ctx}")
+        ids = torch.as_tensor([int(t) for t in tokens], dtype=torch.long)  # [B]
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
+            raise ValueError(
+                f"token id out of range [0, {cfg.n_vocab}): got {int(ids.min())}..{int(ids.max())}"
+            )
+        positions = torch.as_tensor([s.n_tokens for s in states], dtype=torch.long)  # [B]
+
+        X = self.embd[ids][:, None, :].expand(B, cfg.hc_mult, cfg.n_embd).clone()  # [B, S, d]
+        for il, block in enumerate(self.layers):
+            X = block.decode_batch(X, ids, positions, [s.layers[il] for s in states])
+        for s in states:
+            s.n_tokens += 1
+        return self.logits(X)
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Output head: HC collapse, output_norm, vocabulary projection. X [T, S, d] -> [T, V]."""
