@@ -70,3 +70,76 @@ def moe_grouped(x_sorted: torch.Tensor, w, offsets: torch.Tensor) -> torch.Tenso
 
 
 # =========================================================================================================
+# Fused decode ops (fused.py): HC pre/post, q/kv norm + RoPE (+ FP8), router top-k
+# Legend: B rows, S streams, d = n_embd, M = (2 + S) * S mixing logits, H heads, D head dim, R RoPE dims,
+# E experts. The math of ds4.model.hc / norm / rope / quantsim / moe, written out in plain f32 torch.
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def hc_pre_fused(X, fn, scale, base, iters: int, rms_eps: float, hc_eps: float, norm=None):
+    """X [B, S, d] -> x [B, d] (RMS-normalised with `norm` if given), post [B, S], comb [B, S, S]."""
+    B, S, d = X.shape
+    flat = X.float().reshape(B, S * d)
+    mix = (flat @ fn.float().T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)  # [B, M]
+    pre = torch.sigmoid(mix[:, :S] * scale[0] + base[:S]) + hc_eps
+    post = 2 * torch.sigmoid(mix[:, S : 2 * S] * scale[1] + base[S : 2 * S])
+    c = (mix[:, 2 * S :] * scale[2] + base[2 * S :]).reshape(B, S, S).softmax(-1) + hc_eps
+    c = c / (c.sum(1, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(2, keepdim=True) + hc_eps)
+        c = c / (c.sum(1, keepdim=True) + hc_eps)
+    x = (pre[:, :, None] * X.float()).sum(1)
+    return (x if norm is None else _rms(x, rms_eps) * norm.float()), post, c
+
+
+def hc_post_fused(f, X, post, comb):
+    """X'[b, dst] = post[b, dst] * f[b] + sum_src comb[b, src, dst] * X[b, src]: [B, S, d] f32."""
+    return post.float()[:, :, None] * f.float()[:, None, :] + torch.einsum(
+        "bsd,bst->btd", X.float(), comb.float()
+    )
+
+
+def _rope(y: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate the adjacent pairs of the last 2 * len(inv_freq) dims of y [B, ..., D] by pos[b] * inv_freq."""
+    R = 2 * inv_freq.numel()
+    ang = (pos.float()[:, None] * inv_freq.float()[None, :]).reshape(-1, *([1] * (y.dim() - 2)), R // 2)
+    a, b = y[..., -R::2], y[..., -R + 1 :: 2]
+    out = y.clone()
+    out[..., -R::2] = a * torch.cos(ang) - b * torch.sin(ang)
+    out[..., -R + 1 :: 2] = a * torch.sin(ang) + b * torch.cos(ang)
+    return out
+
+
+def q_norm_rope(q, pos, inv_freq, eps: float):
+    """q [B, H, D]: per-head RMSNorm (no weight), RoPE on the last R dims."""
+    return _rope(_rms(q.float(), eps), pos, inv_freq)
+
+
+def _fp8_e4m3(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    m, e = torch.frexp(amax / 448.0)
+    scale = torch.ldexp(torch.ones_like(amax), torch.where(m == 0.5, e - 1, e))  # 2^ceil(log2(amax/448))
+    q = (xb / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * scale).reshape(x.shape)
+
+
+def kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps: float):
+    """kv [B, D]: RMSNorm with weight, RoPE on the last R dims, FP8 E4M3 round trip of the first D - R."""
+    R = 2 * inv_freq.numel()
+    y = _rope(_rms(kv.float(), eps) * weight.float(), pos, inv_freq)
+    return torch.cat([_fp8_e4m3(y[:, :-R]), y[:, -R:]], dim=-1)
+
+
+def router_topk(logits, bias, k: int, scale: float, normalize: bool = True):
+    """(ids [B, k] int32, weights [B, k]): top-k of sqrt(softplus) + bias, ties to the lower id."""
+    prob = torch.nn.functional.softplus(logits.float()).sqrt()
+    sel = prob if bias is None else prob + bias.float()
+    ids = sel.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    w = prob.gather(1, ids)
+    if normalize:
+        w = w / w.sum(-1, keepdim=True)
+    return ids.to(torch.int32), w * scale

@@ -1,0 +1,403 @@
+"""Fused decode-step kernels: the small element-wise / reduction chains of one token in one or two launches.
+
+Legend: B rows (tokens), S = hc_mult streams, d = n_embd, K = S * d, M = (2 + S) * S HC mixing logits,
+H heads, D = head_dim, R = n_rot (RoPE dims, the tail of each row), P = R / 2 adjacent pairs, E experts.
+
+Each op mirrors CPU reference math (ds4.model.hc, norm, rope, quantsim, moe) and has a plain-torch twin in
+ds4/kernels/ref.py (section "Fused decode ops"), which is also the CPU path of the dispatchers below:
+  hc_pre_fused     RMSNorm(no weight) . fn projection . sigmoid pre/post . Sinkhorn . weighted stream sum
+                   (+ optional sublayer RMSNorm), 2 launches (split-K partial dots, then one program per row)
+  hc_post_fused    X'[dst] = post[dst] * f + sum_src comb[src, dst] * X[src], 1 launch
+  q_norm_rope      per-head RMSNorm(no weight) + RoPE on the tail, 1 launch
+  kv_norm_rope_fp8 RMSNorm(weight) + RoPE + FP8 E4M3 round trip of the nope dims (64-blocks), 1 launch
+  router_topk      sqrt(softplus) probs, biased top-k (ties -> lower id), normalised weights, 1 launch
+The FP8 path uses correctly rounded sqrt/division so that, given the same f32 pre-quantization values, the
+round trip is bit-exact (power-of-two scale from the exponent bits, RNE by the 2^23 magic-number trick).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ref
+
+FP8_MAX = 448.0
+FP8_AMAX_FLOOR = 1e-4
+FP8_BLOCK = 64
+HC_CHUNK = 128  # K elements per program of the split-K mixing projection (128 programs at Flash shapes)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hyper-connection pre: two launches.
+
+
+@triton.jit
+def _hc_mix_partial(x_ptr, fn_ptr, pmix_ptr, pss_ptr, K, M, NS, BM: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (b, s): partial dots fn[:, chunk] . x[b, chunk] -> pmix[b, s, :M] and sum x^2 -> pss[b, s]."""
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    rows = tl.arange(0, BM)
+    k = s * CHUNK + tl.arange(0, CHUNK)
+    km = k < K
+    x = tl.load(x_ptr + b * K + k, mask=km, other=0.0).to(tl.float32)
+    w = tl.load(fn_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & km[None, :], other=0.0)
+    tl.store(pmix_ptr + (b * NS + s) * BM + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1))
+    tl.store(pss_ptr + b * NS + s, tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def _sum_partials(pmix_ptr, b, NS, BM: tl.constexpr, offs, mask, BNS: tl.constexpr):
+    """sum over the NS splits of pmix[b, :, offs] (offs any 1-D index vector)."""
+    n = tl.arange(0, BNS)[:, None]
+    acc = tl.zeros(offs.shape, tl.float32)
+    for n0 in range(0, NS, BNS):
+        ptrs = pmix_ptr + (b * NS + n0 + n) * BM + offs[None, :]
+        acc += tl.sum(tl.load(ptrs, mask=((n0 + n) < NS) & mask[None, :], other=0.0), axis=0)
+    return acc
+
+
+@triton.jit
+def _hc_pre_finish(
+    x_ptr, pmix_ptr, pss_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
+    S, D, NS, iters, rms_eps, hc_eps,
+    HAS_NORM: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BNS: tl.constexpr,
+):  # fmt: skip
+    """One program per row b: mixing logits -> pre, post, comb (Sinkhorn in registers), x = sum pre X."""
+    b = tl.program_id(0)
+    K = S * D
+    n = tl.arange(0, BNS)
+    ss = tl.zeros([BNS], tl.float32)
+    for n0 in range(0, NS, BNS):
+        ss += tl.load(pss_ptr + b * NS + n0 + n, mask=(n0 + n) < NS, other=0.0)
+    rs = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + rms_eps)
+    i = tl.arange(0, BS)
+    im = i < S
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre_raw = _sum_partials(pmix_ptr, b, NS, BM, i, im, BNS) * rs
+    pre = tl.sigmoid(pre_raw * s0 + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
+    post_raw = _sum_partials(pmix_ptr, b, NS, BM, S + i, im, BNS) * rs
+    post = 2.0 * tl.sigmoid(post_raw * s1 + tl.load(base_ptr + S + i, mask=im, other=0.0))
+    tl.store(post_ptr + b * S + i, post, mask=im)
+    # combine logits as a flat [BS*BS] vector (row-major r, c), reshaped to [BS, BS] for Sinkhorn
+    f = tl.arange(0, BS * BS)
+    fm = ((f // BS) < S) & ((f % BS) < S)
+    foff = 2 * S + (f // BS) * S + (f % BS)
+    logit = _sum_partials(pmix_ptr, b, NS, BM, foff, fm, BNS) * rs * s2
+    logit = tl.reshape(logit + tl.load(base_ptr + foff, mask=fm, other=0.0), (BS, BS))
+    r = tl.arange(0, BS)[:, None]
+    c = tl.arange(0, BS)[None, :]
+    m = (r < S) & (c < S)
+    xm = tl.where(m, logit, float("-inf"))
+    row_max = tl.max(xm, axis=1)[:, None]
+    e = tl.where(m, tl.exp(xm - tl.where(r < S, row_max, 0.0)), 0.0)
+    row_sum = tl.sum(e, axis=1)[:, None]
+    p = tl.where(m, e / tl.where(row_sum > 0, row_sum, 1.0) + hc_eps, 0.0)
+    p = tl.where(m, p / (tl.sum(p, axis=0)[None, :] + hc_eps), 0.0)
+    for _ in range(iters - 1):
+        p = tl.where(m, p / (tl.sum(p, axis=1)[:, None] + hc_eps), 0.0)
+        p = tl.where(m, p / (tl.sum(p, axis=0)[None, :] + hc_eps), 0.0)
+    tl.store(comb_ptr + b * S * S + r * S + c, p, mask=m)
+    # weighted sum of the unnormalised streams (+ the sublayer RMSNorm: a second pass over the written row)
+    dd = tl.arange(0, BD)
+    sq = tl.zeros([BD], tl.float32)
+    for d0 in range(0, D, BD):
+        dm = (d0 + dd) < D
+        xs = tl.load(
+            x_ptr + b * K + i[:, None] * D + d0 + dd[None, :], mask=im[:, None] & dm[None, :], other=0.0
+        )
+        xv = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0)
+        sq += xv * xv
+        tl.store(out_ptr + b * D + d0 + dd, xv, mask=dm)
+    if HAS_NORM:
+        tl.debug_barrier()
+        rn = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / D + rms_eps)
+        for d0 in range(0, D, BD):
+            dm = (d0 + dd) < D
+            xv = tl.load(out_ptr + b * D + d0 + dd, mask=dm, other=0.0)
+            w = tl.load(norm_ptr + d0 + dd, mask=dm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + b * D + d0 + dd, xv * rn * w, mask=dm)
+
+
+def hc_pre_fused(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    rms_eps: float,
+    hc_eps: float,
+    norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X [B, S, d], fn [M, S*d] (f16/f32), scale [3], base [M] -> x [B, d], post [B, S], comb [B, S, S].
+
+    = ds4.model.hc.hc_pre; with `norm` [d], x is also RMS-normalised with that weight (the sublayer norm).
+    """
+    _check(X.ndim == 3, f"hc_pre_fused: X must be [B, S, d], got {tuple(X.shape)}")
+    B, S, d = X.shape
+    M = (2 + S) * S
+    _check(tuple(fn.shape) == (M, S * d), f"hc_pre_fused: fn must be {(M, S * d)}, got {tuple(fn.shape)}")
+    _check(scale.numel() == 3 and base.numel() == M, f"hc_pre_fused: scale [3], base [{M}] expected")
+    _check(iters >= 1, f"hc_pre_fused: iters must be >= 1, got {iters}")
+    if not _use_triton(X):
+        return ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm)
+    X = X.contiguous()
+    K, BM, NS = S * d, triton.next_power_of_2(M), triton.cdiv(S * d, HC_CHUNK)
+    pmix = torch.empty(B, NS, BM, device=X.device, dtype=torch.float32)
+    pss = torch.empty(B, NS, device=X.device, dtype=torch.float32)
+    x = torch.empty(B, d, device=X.device, dtype=torch.float32)
+    post = torch.empty(B, S, device=X.device, dtype=torch.float32)
+    comb = torch.empty(B, S, S, device=X.device, dtype=torch.float32)
+    if B:
+        _hc_mix_partial[(B, NS)](X, fn.contiguous(), pmix, pss, K, M, NS, BM=BM, CHUNK=HC_CHUNK, num_warps=4)
+        _hc_pre_finish[(B,)](
+            X, pmix, pss, scale.float().contiguous(), base.float().contiguous(),
+            norm if norm is not None else x, x, post, comb,
+            S, d, NS, iters, float(rms_eps), float(hc_eps),
+            HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S),
+            BD=min(1024, triton.next_power_of_2(d)), BNS=min(32, triton.next_power_of_2(NS)), num_warps=4,
+        )  # fmt: skip
+    return x, post, comb
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hyper-connection post: one launch.
+
+
+@triton.jit
+def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, S, D, BS: tl.constexpr, BD: tl.constexpr):
+    """Program (b, block of d): out[b, dst, :] = post[dst] * f + sum_src comb[src, dst] * X[src, :]."""
+    b = tl.program_id(0)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = dd < D
+    i = tl.arange(0, BS)  # dst
+    im = i < S
+    acc = tl.zeros([BS, BD], tl.float32)
+    for src in range(0, S):
+        xs = tl.load(x_ptr + (b * S + src) * D + dd, mask=dm, other=0.0).to(tl.float32)
+        cs = tl.load(comb_ptr + (b * S + src) * S + i, mask=im, other=0.0)  # comb[src, :]
+        acc += cs[:, None] * xs[None, :]
+    post = tl.load(post_ptr + b * S + i, mask=im, other=0.0)
+    f = tl.load(f_ptr + b * D + dd, mask=dm, other=0.0).to(tl.float32)
+    out = post[:, None] * f[None, :] + acc
+    tl.store(out_ptr + (b * S + i[:, None]) * D + dd[None, :], out, mask=im[:, None] & dm[None, :])
+
+
+def hc_post_fused(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """f [B, d], X [B, S, d], post [B, S], comb [B, S, S] -> X' [B, S, d] f32 (= ds4.model.hc.hc_post)."""
+    _check(X.ndim == 3, f"hc_post_fused: X must be [B, S, d], got {tuple(X.shape)}")
+    B, S, d = X.shape
+    _check(tuple(f.shape) == (B, d), f"hc_post_fused: f must be {(B, d)}, got {tuple(f.shape)}")
+    _check(tuple(post.shape) == (B, S) and tuple(comb.shape) == (B, S, S), "hc_post_fused: post/comb shape")
+    if not _use_triton(X):
+        return ref.hc_post_fused(f, X, post, comb)
+    out = torch.empty(B, S, d, device=X.device, dtype=torch.float32)
+    BD = min(512, triton.next_power_of_2(d))
+    if B:
+        _hc_post_kernel[(B, triton.cdiv(d, BD))](
+            f.contiguous(), X.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
+            S, d, BS=triton.next_power_of_2(S), BD=BD, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# q / kv rows: RMSNorm + RoPE (+ FP8 E4M3 round trip of the kv nope dims). One launch each.
+
+
+@triton.jit
+def _rope_tail(
+    src_ptr, dst_ptr, row_off, D, R, rs, w_ptr, pos, inv_ptr, HAS_W: tl.constexpr, BP: tl.constexpr
+):
+    """dst[tail] = RoPE(src[tail] * rs (* w)) on the adjacent pairs (2j, 2j+1) of the last R dims."""
+    j = tl.arange(0, BP)
+    jm = j < R // 2
+    t0 = D - R + 2 * j
+    a = tl.load(src_ptr + row_off + t0, mask=jm, other=0.0).to(tl.float32) * rs
+    c = tl.load(src_ptr + row_off + t0 + 1, mask=jm, other=0.0).to(tl.float32) * rs
+    if HAS_W:
+        a = a * tl.load(w_ptr + t0, mask=jm, other=0.0).to(tl.float32)
+        c = c * tl.load(w_ptr + t0 + 1, mask=jm, other=0.0).to(tl.float32)
+    ang = pos * tl.load(inv_ptr + j, mask=jm, other=0.0)
+    cs = tl.cos(ang)
+    sn = tl.sin(ang)
+    tl.store(dst_ptr + row_off + t0, a * cs - c * sn, mask=jm)
+    tl.store(dst_ptr + row_off + t0 + 1, a * sn + c * cs, mask=jm)
+
+
+@triton.jit
+def _q_norm_rope_kernel(q_ptr, out_ptr, pos_ptr, inv_ptr, H, D, R, eps, BD: tl.constexpr, BP: tl.constexpr):
+    row = tl.program_id(0)  # b * H + h
+    d = tl.arange(0, BD)
+    x = tl.load(q_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+    rs = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(out_ptr + row * D + d, x * rs, mask=d < D - R)
+    pos = tl.load(pos_ptr + row // H).to(tl.float32)
+    _rope_tail(q_ptr, out_ptr, row * D, D, R, rs, inv_ptr, pos, inv_ptr, HAS_W=False, BP=BP)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Round |v| <= 448 to the nearest FP8 E4M3 value, ties to even (v / step is exact: step is 2^e)."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binary exponent of |v|
+    e = tl.maximum(e, -6) - 3  # 3 mantissa bits; below 2^-6 the subnormal spacing 2^-9
+    step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((a / step + 8388608.0) - 8388608.0) * step  # + 2^23 rounds to an integer, half to even
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _kv_norm_rope_fp8_kernel(
+    kv_ptr, w_ptr, out_ptr, pos_ptr, inv_ptr, D, R, eps,
+    BD: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, BP: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    d = tl.arange(0, BD)
+    x = tl.load(kv_ptr + b * D + d, mask=d < D, other=0.0).to(tl.float32)
+    rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), D * 1.0) + eps))
+    idx = tl.arange(0, NB)[:, None] * QB + tl.arange(0, QB)[None, :]  # [NB, QB] nope blocks
+    nm = idx < D - R
+    y = tl.load(kv_ptr + b * D + idx, mask=nm, other=0.0).to(tl.float32) * rs
+    y = y * tl.load(w_ptr + idx, mask=nm, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)  # [NB]
+    sb = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+    sexp = ((sb >> 23) & 0xFF) + ((sb & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2(amax / 448))
+    scale = (sexp << 23).to(tl.float32, bitcast=True)[:, None]
+    q = _round_e4m3(tl.minimum(tl.maximum(y / scale, -448.0), 448.0))
+    tl.store(out_ptr + b * D + idx, q * scale, mask=nm)
+    pos = tl.load(pos_ptr + b).to(tl.float32)
+    _rope_tail(kv_ptr, out_ptr, b * D, D, R, rs, w_ptr, pos, inv_ptr, HAS_W=True, BP=BP)
+
+
+def _check_rope(name: str, D: int, pos: torch.Tensor, B: int, inv_freq: torch.Tensor) -> int:
+    R = 2 * inv_freq.numel()
+    _check(0 < R <= D, f"{name}: 2 * len(inv_freq) = {R} must be in 1..{D}")
+    _check(pos.numel() == B, f"{name}: pos must have {B} entries, got {pos.numel()}")
+    return R
+
+
+def q_norm_rope(q: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+    """q [B, H, D] -> rope_tail(rms_norm(q, None, eps), pos, inv_freq) [B, H, D] f32; pos [B] int."""
+    _check(q.ndim == 3, f"q_norm_rope: q must be [B, H, D], got {tuple(q.shape)}")
+    B, H, D = q.shape
+    R = _check_rope("q_norm_rope", D, pos, B, inv_freq)
+    if not _use_triton(q):
+        return ref.q_norm_rope(q, pos, inv_freq, eps)
+    out = torch.empty(B, H, D, device=q.device, dtype=torch.float32)
+    if B * H:
+        _q_norm_rope_kernel[(B * H,)](
+            q.contiguous(), out, pos.contiguous(), inv_freq.float().contiguous(), H, D, R, float(eps),
+            BD=triton.next_power_of_2(D), BP=triton.next_power_of_2(R // 2), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def kv_norm_rope_fp8(
+    kv: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """kv [B, D] -> fp8_nope(rope_tail(rms_norm(kv, weight, eps), pos, inv_freq)) [B, D] f32.
+
+    The first D - R dims get the FP8 E4M3 round trip (blocks of 64, power-of-two scales, RNE)."""
+    _check(kv.ndim == 2, f"kv_norm_rope_fp8: kv must be [B, D], got {tuple(kv.shape)}")
+    B, D = kv.shape
+    R = _check_rope("kv_norm_rope_fp8", D, pos, B, inv_freq)
+    _check((D - R) % FP8_BLOCK == 0, f"kv_norm_rope_fp8: nope width {D - R} not a multiple of {FP8_BLOCK}")
+    _check(weight.numel() == D, f"kv_norm_rope_fp8: weight must have {D} entries, got {weight.numel()}")
+    if not _use_triton(kv):
+        return ref.kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps)
+    out = torch.empty(B, D, device=kv.device, dtype=torch.float32)
+    if B:
+        _kv_norm_rope_fp8_kernel[(B,)](
+            kv.contiguous(), weight.contiguous(), out, pos.contiguous(), inv_freq.float().contiguous(),
+            D, R, float(eps), BD=triton.next_power_of_2(D),
+            NB=triton.next_power_of_2(max(1, (D - R) // FP8_BLOCK)), QB=FP8_BLOCK,
+            BP=triton.next_power_of_2(R // 2), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def qk_norm_rope_fp8(q, kv, kv_weight, pos, inv_freq, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_norm_rope(q, ...), kv_norm_rope_fp8(kv, kv_weight, ...)): the attention rows of a decode step."""
+    return q_norm_rope(q, pos, inv_freq, eps), kv_norm_rope_fp8(kv, kv_weight, pos, inv_freq, eps)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Router: sqrt(softplus) probabilities, biased top-k, normalised weights. One launch.
+
+
+@triton.jit
+def _router_kernel(
+    logit_ptr, bias_ptr, ids_ptr, w_ptr, E, scale,
+    HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    e = tl.arange(0, BE)
+    em = e < E
+    lg = tl.load(logit_ptr + b * E + e, mask=em, other=0.0).to(tl.float32)
+    ex = tl.exp(lg)
+    u = 1.0 + ex
+    log1p = tl.where(u == 1.0, ex, tl.log(u) * (ex / (u - 1.0)))  # accurate log1p(ex) (Goldberg's trick)
+    prob = tl.sqrt_rn(tl.where(lg > 20.0, lg, log1p))  # torch softplus: threshold 20
+    sel = prob
+    if HAS_BIAS:
+        sel = sel + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
+    sel = tl.where(em, sel, float("-inf"))
+    kk = tl.arange(0, BK)
+    ids = tl.zeros([BK], tl.int32)
+    wts = tl.zeros([BK], tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(sel, axis=0)
+        pick = tl.min(tl.where(sel == best, e, BE), axis=0)  # ties -> the lower expert id
+        ids = tl.where(kk == j, pick, ids)
+        wts = tl.where(kk == j, tl.sum(tl.where(e == pick, prob, 0.0), axis=0), wts)
+        sel = tl.where(e == pick, float("-inf"), sel)
+    if NORMALIZE:
+        wts = wts / tl.sum(wts, axis=0)
+    tl.store(ids_ptr + b * K + kk, ids, mask=kk < K)
+    tl.store(w_ptr + b * K + kk, wts * scale, mask=kk < K)
+
+
+def router_topk(
+    logits: torch.Tensor, bias: torch.Tensor | None, k: int, scale: float, normalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, E] -> (ids [B, k] int32, weights [B, k] f32) as ds4.model.moe.route (non-hash layers)."""
+    _check(logits.ndim == 2, f"router_topk: logits must be [B, E], got {tuple(logits.shape)}")
+    B, E = logits.shape
+    _check(1 <= k <= E, f"router_topk: k must be in 1..{E}, got {k}")
+    _check(bias is None or bias.numel() == E, f"router_topk: bias must have {E} entries")
+    if not _use_triton(logits):
+        return ref.router_topk(logits, bias, k, scale, normalize)
+    ids = torch.empty(B, k, device=logits.device, dtype=torch.int32)
+    wts = torch.empty(B, k, device=logits.device, dtype=torch.float32)
+    if B:
+        _router_kernel[(B,)](
+            logits.contiguous(), bias.contiguous() if bias is not None else logits, ids, wts, E, float(scale),
+            HAS_BIAS=bias is not None, NORMALIZE=normalize, K=k, BK=triton.next_power_of_2(k),
+            BE=triton.next_power_of_2(E), num_warps=4,
+        )  # fmt: skip
+    return ids, wts
+
+
+__all__ = [
+    "hc_pre_fused",
+    "hc_post_fused",
+    "q_norm_rope",
+    "kv_norm_rope_fp8",
+    "qk_norm_rope_fp8",
+    "router_topk",
+]

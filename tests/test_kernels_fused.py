@@ -1,0 +1,238 @@
+"""Fused decode kernels (ds4/kernels/fused.py) against the CPU reference math (ds4.model.hc, norm, rope,
+quantsim, moe) and their torch twins (ds4/kernels/ref.py).
+
+Tiny shapes run under Triton's interpreter (via test_kernels_interpreted.py on CPU machines); the cuda-marked
+tests run the Flash shapes compiled. Legend: B rows, S streams, d width, H heads, D head dim, R RoPE dims.
+
+FP8 (kv rows): the kernel's f32 RMS sum runs in a different order than torch's, so a pre-quantization value
+can move by an ulp or two; the comparison is bit-exact on every element except those whose reference value
+lies within a few ulps of an E4M3 rounding midpoint (or whose block amax / 448 lies within a few ulps of a
+power of two, which can move the block scale). Those are counted and must stay rare.
+"""
+
+from __future__ import annotations
+
+import _kernel_env  # noqa: F401  (interpreter / GPU setup; skips this module in the plain CPU run)
+import pytest
+import torch
+from _kernel_env import DEVICE
+
+from ds4.kernels import fused, ref
+from ds4.model import hc, moe
+from ds4.model.attention import fp8_nope
+from ds4.model.norm import rms_norm
+from ds4.model.quantsim import pow2_ceil
+from ds4.model.rope import rope_inv_freq, rope_tail
+
+EPS = 1e-6
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)  # inputs made on the CPU, then moved: same values everywhere
+
+
+def _hc_inputs(B: int, S: int, d: int, fn_dtype: torch.dtype, seed: int):
+    g = _gen(seed)
+    M = (2 + S) * S
+    X = torch.randn(B, S, d, generator=g) * 2
+    fn = (torch.randn(M, S * d, generator=g) * (S * d) ** -0.5).to(fn_dtype)
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn(M, generator=g) * 0.5
+    return X, fn, scale, base
+
+
+def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.cpu().double(), want.cpu().double()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _check_hc_pre(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool, seed: int) -> None:
+    X, fn, scale, base = _hc_inputs(B, S, d, fn_dtype, seed)
+    norm = torch.rand(d, generator=_gen(seed + 1)) + 0.5 if with_norm else None
+    dev = [t.to(DEVICE) if t is not None else None for t in (X, fn, scale, base, norm)]
+    x, post, comb = fused.hc_pre_fused(*dev[:4], 20, EPS, EPS, dev[4])
+    w = hc.HCWeights(fn.double(), scale.double(), base.double())
+    xr, pr, cr = hc.hc_pre(X.double(), w, iters=20, rms_eps=EPS, hc_eps=EPS)  # f64 oracle
+    if with_norm:
+        xr = rms_norm(xr, norm.double(), EPS)
+    assert x.shape == (B, d) and post.shape == (B, S) and comb.shape == (B, S, S)
+    assert _max_rel(x, xr) < 2e-5
+    assert _max_rel(post, pr) < 2e-5
+    assert float((comb.cpu().double() - cr).abs().max()) < 2e-5
+
+
+@pytest.mark.parametrize("B,S,d", [(1, 4, 64), (3, 3, 40), (2, 1, 200)])
+@pytest.mark.parametrize("fn_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_hc_pre_fused(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool) -> None:
+    _check_hc_pre(B, S, d, fn_dtype, with_norm, seed=B * 10 + S)
+
+
+def test_hc_pre_twin_matches_reference() -> None:
+    X, fn, scale, base = _hc_inputs(2, 4, 48, torch.float32, 7)
+    got = ref.hc_pre_fused(X, fn, scale, base, 20, EPS, EPS)
+    want = hc.hc_pre(X, hc.HCWeights(fn, scale, base), iters=20, rms_eps=EPS, hc_eps=EPS)
+    for a, b in zip(got, want, strict=True):
+        assert _max_rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("B,S,d", [(1, 4, 64), (3, 3, 1100)])
+def test_hc_post_fused(B: int, S: int, d: int) -> None:
+    g = _gen(d)
+    f, X = torch.randn(B, d, generator=g), torch.randn(B, S, d, generator=g)
+    post, comb = torch.rand(B, S, generator=g) * 2, torch.rand(B, S, S, generator=g)
+    got = fused.hc_post_fused(*(t.to(DEVICE) for t in (f, X, post, comb)))
+    want = hc.hc_post(f.double(), X.double(), post.double(), comb.double())
+    assert got.shape == (B, S, d) and _max_rel(got, want) < 1e-6
+    assert _max_rel(ref.hc_post_fused(f, X, post, comb), want) < 1e-6
+
+
+def _positions(B: int, seed: int) -> torch.Tensor:
+    return torch.cat([torch.tensor([0, 1, 65535]), torch.randint(0, 1 << 20, (B,), generator=_gen(seed))])[:B]
+
+
+@pytest.mark.parametrize("B,H,D,R", [(3, 4, 192, 64), (2, 3, 200, 8)])
+def test_q_norm_rope(B: int, H: int, D: int, R: int) -> None:
+    q = torch.randn(B, H, D, generator=_gen(D)) * 3
+    pos, inv = _positions(B, D), rope_inv_freq(R, 10000.0, orig_ctx=4096, factor=16.0)
+    got = fused.q_norm_rope(q.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), EPS)
+    want = rope_tail(rms_norm(q, None, EPS), pos, inv)
+    # f32 angles pos * inv_freq are the same; cos/sin of large angles may differ by an ulp of the angle
+    assert got.shape == (B, H, D) and _max_rel(got, want) < 2e-5
+    assert _max_rel(ref.q_norm_rope(q, pos, inv, EPS), want) < 2e-5
+
+
+def _midpoint_risk(y: torch.Tensor, block: int = 64, rel: float = 4e-6) -> torch.Tensor:
+    """Mask [B, n] of reference pre-quantization values whose FP8 rounding an ulp-level change could flip."""
+    yb = y.double().unflatten(-1, (-1, block))
+    amax = yb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    scale = pow2_ceil((amax / 448.0).float()).double()
+    ratio = amax / 448.0 / scale  # in (0.5, 1]: near either end the scale itself may flip
+    risky_block = (ratio > 1 - rel) | (ratio < 0.5 * (1 + rel))
+    v = yb.abs() / scale
+    _, e = torch.frexp(v)
+    step = torch.exp2((torch.clamp(e - 1, min=-6) - 3).double())
+    u = v / step
+    risky = (u - u.floor() - 0.5).abs() <= rel * u + 1e-12
+    return (risky | risky_block).flatten(-2)
+
+
+@pytest.mark.parametrize("B,D,R", [(4, 192, 64), (2, 136, 8)])
+def test_kv_norm_rope_fp8(B: int, D: int, R: int) -> None:
+    g = _gen(B * D)
+    # a wide dynamic range inside each 64-block exercises the E4M3 subnormals and every binade
+    kv = torch.randn(B, D, generator=g) * torch.exp2(torch.rand(B, D, generator=g) * -14)
+    weight = torch.rand(D, generator=g) + 0.5
+    pos, inv = _positions(B, D), rope_inv_freq(R, 10000.0)
+    got = fused.kv_norm_rope_fp8(*(t.to(DEVICE) for t in (kv, weight, pos, inv)), EPS).cpu()
+    pre = rope_tail(rms_norm(kv, weight, EPS), pos, inv)  # reference pre-quantization values
+    want = fp8_nope(pre, R)
+    assert _max_rel(got[:, -R:], want[:, -R:]) < 2e-5
+    risky = _midpoint_risk(pre[:, :-R])
+    same = got[:, :-R] == want[:, :-R]
+    assert bool((same | risky).all()), f"{int((~same & ~risky).sum())} FP8 values differ away from midpoints"
+    assert int(risky.sum()) <= max(1, risky.numel() // 100), f"{int(risky.sum())} near-midpoint values"
+    assert bool((ref.kv_norm_rope_fp8(kv, weight, pos, inv, EPS)[:, :-R] == want[:, :-R]).all())
+
+
+# (value after the scale, its E4M3 round-to-nearest-even result): ties go to the even mantissa, subnormals
+# step 2^-9, the subnormal/normal and binade boundaries round up into the next binade, 448 is the top value.
+FP8_TIES = [
+    (1.0625, 1.0), (1.1875, 1.25), (2.0**-10, 0.0), (3 * 2.0**-10, 2.0**-8), (7.5 * 2.0**-9, 2.0**-6),
+    (432.0, 448.0), (15.5, 16.0), (-1.0625, -1.0), (-3 * 2.0**-10, -(2.0**-8)), (0.0, 0.0),
+    (2.0**-9, 2.0**-9), (1.0, 1.0), (440.0, 448.0), (0.3125, 0.3125), (0.34375, 0.34375), (0.359375, 0.375),
+]  # fmt: skip
+
+
+def test_kv_fp8_rounds_ties_to_even() -> None:
+    """Exact midpoints reach the rounding step unchanged: RMS is exactly 64 (integer squares summing to
+    128 * 64^2), so the row is scaled by 1/64, the amax 448 / 64 = 7 gives the block scale 1/64, and the
+    weights carry the values to round. Expected results are the hand-written table above."""
+    D, R = 128, 64
+    vals = torch.tensor([v for v, _ in FP8_TIES])
+    want = torch.tensor([r for _, r in FP8_TIES])
+    x = torch.ones(D)
+    x[0] = 448.0
+    weight = torch.ones(D)
+    weight[1 : 1 + len(FP8_TIES)] = vals
+    rest = D * 64**2 - int(x[: D - R].square().sum())  # integer: squares of powers of two fill it exactly
+    tail, bit = [], 0
+    while rest:
+        if rest >> bit & 1:
+            tail += [2.0 ** (bit // 2)] * (1 if bit % 2 == 0 else 2)
+            rest -= 1 << bit
+        bit += 1
+    assert len(tail) <= R
+    x[D - R :] = 0.0
+    x[D - R : D - R + len(tail)] = torch.tensor(tail)
+    assert float(x.square().sum()) == D * 64**2
+    pos, inv = torch.zeros(1, dtype=torch.long), rope_inv_freq(R, 10000.0)
+    got = fused.kv_norm_rope_fp8(*(t.to(DEVICE) for t in (x[None], weight, pos, inv)), 0.0).cpu()[0]
+    assert float(got[0]) == 7.0
+    assert torch.equal(got[1 : 1 + len(FP8_TIES)] * 64, want), (got[1 : 1 + len(FP8_TIES)] * 64).tolist()
+    assert torch.equal(got[: D - R], fp8_nope(rms_norm(x[None], weight, 0.0), R)[0, : D - R])
+
+
+def _route_ref(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scale: float):
+    E = logits.shape[1]
+    w = moe.MoEWeights(torch.eye(E, dtype=logits.dtype), bias, None, *([None] * 6))
+    weights, ids = moe.route(w, logits, torch.zeros(logits.shape[0], dtype=torch.long), k, scale, True)
+    return ids, weights
+
+
+@pytest.mark.parametrize("B,E,k", [(5, 40, 6), (2, 256, 6), (3, 8, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_router_topk(B: int, E: int, k: int, with_bias: bool) -> None:
+    g = _gen(E + k)
+    logits = torch.randn(B, E, generator=g) * 4
+    bias = torch.randn(E, generator=g) * 0.2 if with_bias else None
+    ids, w = fused.router_topk(logits.to(DEVICE), bias.to(DEVICE) if with_bias else None, k, 2.5)
+    want_ids, want_w = _route_ref(logits.double(), bias.double() if with_bias else None, k, 2.5)
+    # rows whose k-th and (k+1)-th selection scores are within float noise have no well-defined top-k
+    sel = torch.nn.functional.softplus(logits.double()).sqrt() + (bias.double() if with_bias else 0)
+    top = sel.sort(-1, descending=True).values
+    clear = (top[:, k - 1] - top[:, k]).abs() > 1e-5 if k < E else torch.ones(B, dtype=torch.bool)
+    assert ids.dtype == torch.int32 and ids.shape == (B, k) and int(clear.sum()) >= B - 1
+    assert torch.equal(ids.cpu().long()[clear], want_ids[clear])
+    assert _max_rel(w[clear], want_w[clear]) < 1e-5
+    tw_ids, tw_w = ref.router_topk(logits, bias, k, 2.5)
+    assert torch.equal(tw_ids.long()[clear], want_ids[clear]) and _max_rel(tw_w[clear], want_w[clear]) < 1e-5
+
+
+def test_router_ties_pick_lower_id() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, -1.0, 2.0, 0.0]])
+    ids, w = fused.router_topk(logits.to(DEVICE), None, 4, 1.0)
+    want_ids, want_w = _route_ref(logits.double(), None, 4, 1.0)
+    assert ids.cpu().long().tolist() == want_ids.tolist() == [[1, 3, 4, 2]]
+    assert _max_rel(w, want_w) < 1e-6
+
+
+def test_bad_shapes_raise() -> None:
+    with pytest.raises(ValueError, match="fn must be"):
+        fused.hc_pre_fused(
+            torch.zeros(1, 4, 8), torch.zeros(24, 16), torch.ones(3), torch.zeros(24), 3, EPS, EPS
+        )
+    with pytest.raises(ValueError, match="k must be"):
+        fused.router_topk(torch.zeros(1, 4), None, 5, 1.0)
+    with pytest.raises(ValueError, match="nope width"):
+        fused.kv_norm_rope_fp8(
+            torch.zeros(1, 100), torch.ones(100), torch.zeros(1), rope_inv_freq(8, 1e4), EPS
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSeek V4 Flash shapes, compiled (GPU only).
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B", [1, 4])
+def test_flash_shapes_cuda(B: int) -> None:
+    for fn_dtype in (torch.float32, torch.float16):
+        _check_hc_pre(B, 4, 4096, fn_dtype, True, seed=B)
+    test_hc_post_fused(B, 4, 4096)
+    q = torch.randn(B, 64, 512, generator=_gen(B))
+    pos, inv = _positions(B, B), rope_inv_freq(64, 160000.0, orig_ctx=65536, factor=16.0)
+    got = fused.q_norm_rope(q.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), EPS)
+    assert _max_rel(got, rope_tail(rms_norm(q, None, EPS), pos, inv)) < 2e-5
+    test_kv_norm_rope_fp8(B, 512, 64)
+    test_router_topk(B, 256, 6, True)
