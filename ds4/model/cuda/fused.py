@@ -10,6 +10,7 @@ adjacent pairs (the complex multiply spelled out), which inductor handles (it do
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -24,6 +25,16 @@ from ds4.model.norm import rms_norm
 from ds4.model.quantsim import fp8_e4m3_roundtrip, indexer_qat
 
 FP8_BLOCK = 64
+
+# Decode through the Triton kernels of ds4.kernels.fused (HC pre/post, q/kv norm + RoPE (+FP8), router
+# top-k): a handful of launches per layer instead of torch.compile's chains. False: the torch path below
+# (compiled on CUDA when SWITCH.enabled), kept for A/B timing. Off CUDA the kernel dispatchers run their
+# torch twins (ds4/kernels/ref.py), so the CPU tests exercise this wiring too. Env DS4_TRITON_FUSED=0: off.
+TRITON_FUSED = os.environ.get("DS4_TRITON_FUSED", "1") != "0"
+try:
+    from ds4.kernels import fused as _kf
+except ImportError:  # pragma: no cover - no triton
+    TRITON_FUSED, _kf = False, None
 
 
 class _Switch:
@@ -99,24 +110,46 @@ def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: fl
     """HC collapse + the sublayer's RMSNorm: X [1, S, d] -> (xn [1, d], post [1, S], comb [1, S, S]).
     The Sinkhorn loop is one Triton kernel (ds4.kernels.hc) where available: inductor splits it into
     2 * iters tiny kernels."""
+    if TRITON_FUSED:
+        return _kf.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm)
     pre, post, logits = _hc_mix(X, fn, scale, base, rms_eps, hc_eps)
     comb = _sinkhorn(logits, iters, hc_eps)
     return _hc_collapse(pre, X, norm, rms_eps), post, comb
 
 
-@fuse
 def hc_post(f, X, post, comb):
+    """X' [1, S, d] from the sublayer output f [1, d] (ds4.model.hc.hc_post)."""
+    if TRITON_FUSED:
+        return _kf.hc_post_fused(f, X, post, comb)
+    return _hc_post(f, X, post, comb)
+
+
+@fuse
+def _hc_post(f, X, post, comb):
     return post[:, :, None] * f[:, None, :] + (comb[:, :, :, None] * X[:, :, None, :]).sum(1)
 
 
-@fuse
 def q_post(q, pos, inv_freq, eps: float):
     """q [1, H, D]: per-head RMS (no weight), then RoPE."""
+    if TRITON_FUSED:
+        return _kf.q_norm_rope(q, pos, inv_freq, eps)
+    return _q_post(q, pos, inv_freq, eps)
+
+
+@fuse
+def _q_post(q, pos, inv_freq, eps: float):
     return rope_real(rms_norm(q, None, eps), pos, inv_freq)
 
 
-@fuse
 def kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int):
+    """kv [1, D]: RMSNorm with weight, RoPE, FP8 round trip of the first D - n_rot dims."""
+    if TRITON_FUSED and n_rot == 2 * inv_freq.numel() and (kv.shape[-1] - n_rot) % FP8_BLOCK == 0:
+        return _kf.kv_norm_rope_fp8(kv, kv_norm, pos, inv_freq, eps)
+    return _kv_post(kv, kv_norm, pos, inv_freq, eps, n_rot)
+
+
+@fuse
+def _kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int):
     return _fp8_nope(rope_real(rms_norm(kv, kv_norm, eps), pos, inv_freq), n_rot)
 
 
@@ -148,3 +181,8 @@ def swiglu_mid(g, u, clamp: float):
     if clamp > 0:
         g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
     return torch.nn.functional.silu(g) * u
+
+
+def router_topk(logits, bias, k: int, scale: float, normalize: bool):
+    """(ids [1, k] int32, weights [1, k]) of a non-hash router (ds4.kernels.fused.router_topk)."""
+    return _kf.router_topk(logits, bias, k, scale, normalize)

@@ -188,6 +188,9 @@ def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_f
 def route_decode(w, xf, token, k: int, scale: float, normalize: bool):
     """ds4.model.moe.route for one token, with torch.topk instead of a stable sort of all E experts (a sort
     costs ~20 us per layer; exact ties of continuous router scores do not occur in practice)."""
+    if fused.TRITON_FUSED and w.tid2eid is None:  # one kernel: probs, biased top-k, normalised weights
+        ids, weights = fused.router_topk(F.linear(xf, w.gate_inp), w.bias, k, scale, normalize)
+        return weights, ids
     probs = torch.sqrt(F.softplus(F.linear(xf, w.gate_inp)))  # [1, E]
     if w.tid2eid is not None:
         ids = w.tid2eid[token]  # [1, k]
