@@ -115,6 +115,12 @@ class Session:
             self._checkpoint = _Checkpoint(list(tokens), self.state.clone(), self.logits.clone())
         return len(suffix)
 
+    @property
+    def checkpoint_tokens(self) -> tuple[int, ...]:
+        """The prompt whose post-prefill state the session keeps: sync() rewinds to it by itself when a new
+        prompt extends it (empty when there is none)."""
+        return tuple(self._checkpoint.tokens) if self._checkpoint is not None else ()
+
     def _rewind_to_checkpoint(self, tokens: list[int]) -> bool:
         cp = self._checkpoint
         if cp is None or tokens[: len(cp.tokens)] != cp.tokens:
