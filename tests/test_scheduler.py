@@ -380,3 +380,17 @@ def test_real_engine_8_concurrent_equal_each_alone(tiny_model):
     assert other.tokens == s0.tokens
     a, b = backend.decode_batch([s0, other], [3, 3])
     assert float((a - b).abs().max()) == 0.0
+
+
+def test_prompt_equal_to_held_tokens_prefills_nothing():
+    sched, be, events = make(slots=2)
+    sched.submit(Request("a", prompt(3, 8), max_tokens=3))
+    sched.run()
+    held = list(sched.slots[started(events)["a"].slot].tokens)
+    be.drain()
+    sched.submit(Request("b", held, max_tokens=4))  # samples from the logits the slot already holds
+    sched.run()
+    fin = finished(events)["b"]
+    assert (started(events)["b"].reused_tokens, fin.prefilled_tokens) == (len(held), 0)
+    assert list(fin.tokens) == alone(held, 4)
+    assert all(kind == "decode" for kind, _ in be.drain())
