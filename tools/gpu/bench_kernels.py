@@ -45,11 +45,14 @@ N_EXP, TOPK, DIM, FFN = 256, 6, 4096, 2048
 DEV = "cuda"
 PREFILL_M, PREFILL_TOKENS = 4096, 2048  # --quick: 1024, 512
 SMOKE = False
+# fused decode ops (ds4/kernels/fused.py) at Flash shapes: streams, width, heads, head dim, RoPE dims, experts
+FUSED = dict(S=4, d=4096, H=64, D=512, R=64, E=256, k=6, iters=20)
 
 
 def _smoke_setup() -> None:
     """--smoke: tiny shapes on CPU under Triton's interpreter, one timed call per op (tests this script)."""
-    global DENSE, GROUPED, N_EXP, TOPK, DIM, FFN, DEV, PREFILL_M, PREFILL_TOKENS, SMOKE
+    global DENSE, GROUPED, N_EXP, TOPK, DIM, FFN, DEV, PREFILL_M, PREFILL_TOKENS, SMOKE, FUSED
+    FUSED = dict(S=4, d=64, H=2, D=192, R=64, E=16, k=2, iters=20)
     os.environ["TRITON_INTERPRET"] = "1"
     DENSE = [(name, qt, 256, 40) for name, qt, _, _ in DENSE]
     GROUPED = [(name, qt, 2, 256, 24) for name, qt, *_ in GROUPED]
@@ -145,6 +148,7 @@ def run_gpu(quick: bool) -> int:
             fails += err > 1e-5
             secs = bench(lambda: moe.moe_down(mid, weights, wd, ids))  # noqa: B023
             row(name + " down", qd.name, b, torch.float32, secs, uniq * per_d, err, 1e-5)
+    fails += run_fused(dev, gen)
     print(
         "--- prefill: qmatmul / moe_grouped, bf16 activations (TFLOP/s; cuBLAS bf16 on a bf16 copy for scale)"
     )
@@ -178,6 +182,81 @@ def run_gpu(quick: bool) -> int:
             f"{flops / secs / 1e12:6.1f} TFLOP/s")  # fmt: skip
     print("FAILURES:", fails if fails else "none")
     return 1 if fails else 0
+
+
+def _fused_cases(dev, gen):
+    """(name, fused call, eager torch reference call, old decode call, tolerance) at the FUSED shapes."""
+    from ds4.kernels import fused
+    from ds4.model import hc
+    from ds4.model.attention import fp8_nope
+    from ds4.model.cuda import fused as old
+    from ds4.model.norm import rms_norm
+    from ds4.model.rope import rope_inv_freq, rope_tail
+
+    S, d, H, D, R, E, k, it = (FUSED[n] for n in ("S", "d", "H", "D", "R", "E", "k", "iters"))
+    M, eps = (2 + S) * S, 1e-6
+
+    def rnd(*shape, s=1.0):
+        return torch.randn(*shape, device=dev, generator=gen) * s
+
+    X, f, q, kv, logits = rnd(1, S, d), rnd(1, d), rnd(1, H, D), rnd(1, D), rnd(1, E, s=4.0)
+    fn, scale, base = rnd(M, S * d, s=(S * d) ** -0.5), rnd(3).abs() + 0.5, rnd(M, s=0.5)
+    norm, kvw, bias = rnd(d).abs() + 0.5, rnd(D).abs() + 0.5, rnd(E, s=0.2)
+    pos, inv = torch.tensor([1234], device=dev), rope_inv_freq(R, 10000.0).to(dev)
+    post, comb = rnd(1, S).abs(), rnd(1, S, S).abs()
+    w = hc.HCWeights(fn, scale, base)
+
+    def pre_eager():
+        x, p, c = hc.hc_pre(X, w, iters=it, rms_eps=eps, hc_eps=eps)
+        return rms_norm(x, norm, eps), p, c
+
+    def route_eager():
+        probs = torch.nn.functional.softplus(logits).sqrt()
+        ids = (probs + bias).topk(k, dim=-1).indices
+        wts = probs.gather(1, ids)
+        return ids.int(), wts / wts.sum(-1, keepdim=True) * 2.5
+
+    return [
+        ("hc_pre + norm", lambda: fused.hc_pre_fused(X, fn, scale, base, it, eps, eps, norm), pre_eager,
+         lambda: old.hc_pre_norm(X, fn, scale, base, norm, it, eps, eps), 2e-5),
+        ("hc_post", lambda: fused.hc_post_fused(f, X, post, comb), lambda: hc.hc_post(f, X, post, comb),
+         lambda: old.hc_post(f, X, post, comb), 2e-5),
+        ("q_norm_rope", lambda: fused.q_norm_rope(q, pos, inv, eps),
+         lambda: rope_tail(rms_norm(q, None, eps), pos, inv), lambda: old.q_post(q, pos, inv, eps), 2e-5),
+        ("kv_norm_rope_fp8", lambda: fused.kv_norm_rope_fp8(kv, kvw, pos, inv, eps),
+         lambda: fp8_nope(rope_tail(rms_norm(kv, kvw, eps), pos, inv), R),
+         lambda: old.kv_post(kv, kvw, pos, inv, eps, R), 0.07),  # an FP8 midpoint flip: one E4M3 step
+        ("router_topk", lambda: fused.router_topk(logits, bias, k, 2.5), route_eager,
+         lambda: route_eager(), 2e-5),
+    ]  # fmt: skip
+
+
+def run_fused(dev, gen) -> int:
+    """Fused decode ops vs the unfused torch sequences they replace: eager reference math, and the decode
+    path before them (ds4.model.cuda.fused with TRITON_FUSED off: torch.compile on CUDA)."""
+    from ds4.model.cuda import fused as old
+
+    print("--- decode: fused small ops, B=1 (us: Triton / eager torch / torch.compile path; err vs eager)")
+    fails = 0
+    for name, new_fn, eager_fn, old_fn, tol in _fused_cases(dev, gen):
+        got, want = new_fn(), eager_fn()
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        err = max(rel_err(a.float(), b.float()) for a, b in zip(got, want, strict=True))
+        fails += err > tol
+        t_new, t_eager = bench(new_fn), bench(eager_fn)
+        saved = old.TRITON_FUSED, old.SWITCH.enabled
+        old.TRITON_FUSED, old.SWITCH.enabled = False, dev.type == "cuda"
+        try:
+            old_fn()  # compile outside the timing
+            t_old = bench(old_fn)
+        finally:
+            old.TRITON_FUSED, old.SWITCH.enabled = saved
+        ok = "ok" if err <= tol else f"FAIL(>{tol:g})"
+        print(
+            f"{name:22s} {t_new * 1e6:8.1f} {t_eager * 1e6:8.1f} {t_old * 1e6:8.1f} us   "
+            f"x{t_old / t_new:5.1f} vs old  err {err:.1e} {ok}"
+        )
+    return fails
 
 
 def sweep() -> None:
