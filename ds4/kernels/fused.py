@@ -252,12 +252,14 @@ def _q_norm_rope_kernel(q_ptr, out_ptr, pos_ptr, inv_ptr, H, D, R, eps, BD: tl.c
 
 @triton.jit
 def _round_e4m3(v):
-    """Round |v| <= 448 to the nearest FP8 E4M3 value, ties to even (v / step is exact: step is 2^e)."""
+    """Round |v| <= 448 to the nearest FP8 E4M3 value, ties to even (v / step is exact: step is 2^e).
+    Only exact operations: Triton's f32 `/` compiles to the approximate div.full.f32 on NVIDIA GPUs."""
     a = tl.abs(v)
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binary exponent of |v|
     e = tl.maximum(e, -6) - 3  # 3 mantissa bits; below 2^-6 the subnormal spacing 2^-9
     step = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((a / step + 8388608.0) - 8388608.0) * step  # + 2^23 rounds to an integer, half to even
+    inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)  # exact 1 / step (no approximate division)
+    r = ((a * inv_step + 8388608.0) - 8388608.0) * step  # + 2^23 rounds to an integer, half to even
     return tl.where(v < 0, -r, r)
 
 
@@ -278,7 +280,8 @@ def _kv_norm_rope_fp8_kernel(
     sb = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
     sexp = ((sb >> 23) & 0xFF) + ((sb & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2(amax / 448))
     scale = (sexp << 23).to(tl.float32, bitcast=True)[:, None]
-    q = _round_e4m3(tl.minimum(tl.maximum(y / scale, -448.0), 448.0))
+    inv_scale = ((254 - sexp) << 23).to(tl.float32, bitcast=True)[:, None]  # exact 1 / scale
+    q = _round_e4m3(tl.minimum(tl.maximum(y * inv_scale, -448.0), 448.0))
     tl.store(out_ptr + b * D + idx, q * scale, mask=nm)
     pos = tl.load(pos_ptr + b).to(tl.float32)
     _rope_tail(kv_ptr, out_ptr, b * D, D, R, rs, w_ptr, pos, inv_ptr, HAS_W=True, BP=BP)

@@ -397,6 +397,28 @@ def _usage(cubin: bytes) -> str:
     return " ".join(keep)
 
 
+def _capture_fused(sink: list) -> None:
+    """Record the launches of the fused decode ops (ds4/kernels/fused.py) at Flash and small shapes."""
+    from ds4.kernels import fused
+
+    fused._use_triton = lambda t: True
+    for attr in ("_hc_mix_partial", "_hc_pre_finish", "_hc_post_kernel", "_q_norm_rope_kernel",
+                 "_kv_norm_rope_fp8_kernel", "_router_kernel"):  # fmt: skip
+        setattr(fused, attr, _Capture(getattr(fused, attr), sink))
+    S, d, H, D, R, E = 4, 4096, 64, 512, 64, 256
+    M, pos, inv = (2 + S) * S, torch.zeros(1, dtype=torch.long), torch.rand(R // 2)
+    for fn_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for norm in (None, torch.ones(d)):
+            X = torch.randn(1, S, d)
+            fused.hc_pre_fused(X, torch.zeros(M, S * d, dtype=fn_dtype), torch.ones(3), torch.zeros(M), 20,
+                               1e-6, 1e-6, norm)  # fmt: skip
+    fused.hc_post_fused(torch.randn(1, d), torch.randn(1, S, d), torch.rand(1, S), torch.rand(1, S, S))
+    fused.q_norm_rope(torch.randn(1, H, D), pos, inv, 1e-6)
+    fused.kv_norm_rope_fp8(torch.randn(1, D), torch.ones(D), pos, inv, 1e-6)
+    for bias in (None, torch.zeros(E)):
+        fused.router_topk(torch.randn(1, E), bias, 6, 2.5)
+
+
 def compile_only() -> int:
     from triton.backends.compiler import GPUTarget
 
@@ -434,6 +456,7 @@ def compile_only() -> int:
         for cfg in (moe.GATE_UP, moe.DOWN, moe.MoeConfig(16, 2), moe.MoeConfig(8, 1, fast=True)):
             moe.moe_gate_up(torch.randn(2, k), w3, w3, ids, 10.0, cfg)
             moe.moe_down(torch.randn(2, 2, k), torch.rand(2, 2), w3, ids, cfg)
+    _capture_fused(sink)
     target = GPUTarget("cuda", 90, 32)
     seen = set()
     failures = 0
