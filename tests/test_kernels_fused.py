@@ -220,6 +220,45 @@ def test_bad_shapes_raise() -> None:
         )
 
 
+def test_decode_wiring_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ds4.model.cuda decode helpers give the same results through the kernels (TRITON_FUSED) as through
+    their torch path: checks the wiring's argument plumbing (norm weight, pos, n_rot, ids dtype)."""
+    from types import SimpleNamespace
+
+    from ds4.model.cuda import fused as dec
+    from ds4.model.cuda import layer
+
+    S, d, H, D, R, E = 4, 64, 2, 192, 64, 16
+    X, fn, scale, base = (t.to(DEVICE) for t in _hc_inputs(1, S, d, torch.float32, 3))
+    g = _gen(5)
+    norm, f, q, kv, kvw = (
+        torch.randn(*s, generator=g).to(DEVICE) for s in ((d,), (1, d), (1, H, D), (1, D), (D,))
+    )
+    pos, inv = torch.tensor([77], device=DEVICE), rope_inv_freq(R, 10000.0).to(DEVICE)
+    router = SimpleNamespace(
+        gate_inp=torch.randn(E, d, generator=g).to(DEVICE),
+        bias=torch.randn(E, generator=g).to(DEVICE),
+        tid2eid=None,
+    )
+    calls = [
+        lambda: dec.hc_pre_norm(X, fn, scale, base, norm, 20, EPS, EPS),
+        lambda: dec.hc_post(f, X, torch.rand(1, S, device=DEVICE), torch.rand(1, S, S, device=DEVICE)),
+        lambda: dec.q_post(q, pos, inv, EPS),
+        lambda: dec.kv_post(kv, kvw, pos, inv, EPS, R),
+        lambda: layer.route_decode(router, f, None, 3, 2.5, True),
+    ]
+    for call in calls:
+        torch.manual_seed(0)
+        monkeypatch.setattr(dec, "TRITON_FUSED", True)
+        new = call()
+        torch.manual_seed(0)
+        monkeypatch.setattr(dec, "TRITON_FUSED", False)
+        old = call()
+        new, old = (new, old) if isinstance(new, tuple) else ((new,), (old,))
+        for a, b in zip(new, old, strict=True):
+            assert a.shape == b.shape and _max_rel(a, b) < 2e-5
+
+
 # ---------------------------------------------------------------------------------------------------------
 # DeepSeek V4 Flash shapes, compiled (GPU only).
 
