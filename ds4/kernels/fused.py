@@ -366,6 +366,7 @@ def _router_kernel(
     for j in tl.static_range(K):
         best = tl.max(sel, axis=0)
         pick = tl.min(tl.where(sel == best, e, BE), axis=0)  # ties -> the lower expert id
+        pick = tl.minimum(pick, E - 1)  # NaN scores match nothing: keep the id in range for the gathers
         ids = tl.where(kk == j, pick, ids)
         wts = tl.where(kk == j, tl.sum(tl.where(e == pick, prob, 0.0), axis=0), wts)
         sel = tl.where(e == pick, float("-inf"), sel)
