@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import ref
+from .hc import sinkhorn_tile
 
 FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
@@ -102,15 +103,7 @@ def _hc_pre_finish(
     r = tl.arange(0, BS)[:, None]
     c = tl.arange(0, BS)[None, :]
     m = (r < S) & (c < S)
-    xm = tl.where(m, logit, float("-inf"))
-    row_max = tl.max(xm, axis=1)[:, None]
-    e = tl.where(m, tl.exp(xm - tl.where(r < S, row_max, 0.0)), 0.0)
-    row_sum = tl.sum(e, axis=1)[:, None]
-    p = tl.where(m, e / tl.where(row_sum > 0, row_sum, 1.0) + hc_eps, 0.0)
-    p = tl.where(m, p / (tl.sum(p, axis=0)[None, :] + hc_eps), 0.0)
-    for _ in range(iters - 1):
-        p = tl.where(m, p / (tl.sum(p, axis=1)[:, None] + hc_eps), 0.0)
-        p = tl.where(m, p / (tl.sum(p, axis=0)[None, :] + hc_eps), 0.0)
+    p = sinkhorn_tile(logit, r, m, S, iters, hc_eps)
     tl.store(comb_ptr + b * S * S + r * S + c, p, mask=m)
     # weighted sum of the unnormalised streams (+ the sublayer RMSNorm: a second pass over the written row)
     dd = tl.arange(0, BD)

@@ -18,13 +18,9 @@ from ds4.model.hc import sinkhorn as sinkhorn_ref
 
 
 @triton.jit
-def _sinkhorn_kernel(x_ptr, out_ptr, S, iters, eps, BS: tl.constexpr):
-    b = tl.program_id(0)
-    r = tl.arange(0, BS)[:, None]  # src (row)
-    c = tl.arange(0, BS)[None, :]  # dst (column)
-    m = (r < S) & (c < S)
-    offs = b * S * S + r * S + c
-    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+def sinkhorn_tile(x, r, m, S, iters, eps):
+    """Row softmax + eps, then alternating column/row normalisation of a [BS, BS] tile whose live part is
+    S x S (m its mask, r the row indices [BS, 1]); shared by this kernel and the fused HC-pre kernel."""
     xm = tl.where(m, x, float("-inf"))
     row_max = tl.max(xm, axis=1)[:, None]
     e = tl.where(m, tl.exp(xm - tl.where(r < S, row_max, 0.0)), 0.0)
@@ -34,7 +30,18 @@ def _sinkhorn_kernel(x_ptr, out_ptr, S, iters, eps, BS: tl.constexpr):
     for _ in range(iters - 1):
         p = tl.where(m, p / (tl.sum(p, axis=1)[:, None] + eps), 0.0)
         p = tl.where(m, p / (tl.sum(p, axis=0)[None, :] + eps), 0.0)
-    tl.store(out_ptr + offs, p, mask=m)
+    return p
+
+
+@triton.jit
+def _sinkhorn_kernel(x_ptr, out_ptr, S, iters, eps, BS: tl.constexpr):
+    b = tl.program_id(0)
+    r = tl.arange(0, BS)[:, None]  # src (row)
+    c = tl.arange(0, BS)[None, :]  # dst (column)
+    m = (r < S) & (c < S)
+    offs = b * S * S + r * S + c
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, sinkhorn_tile(x, r, m, S, iters, eps), mask=m)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
