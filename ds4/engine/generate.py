@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ds4.config import DEFAULT_MAX_TOKENS
+from ds4.dsml import ReasoningDelta  # the same reasoning-text event the DSML projection emits
 from ds4.engine.sampling import Rng, SamplingParams, sample
 from ds4.tokenizer import THINK_END, THINK_START
 
@@ -58,11 +59,6 @@ Cancel = threading.Event | Callable[[], bool] | None
 class TokenEvent:
     token: int
     piece: str  # the token's text as far as it completes UTF-8 characters (raw: before stop/think handling)
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
 
 
 @dataclass(frozen=True)
