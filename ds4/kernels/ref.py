@@ -69,6 +69,142 @@ def moe_grouped(x_sorted: torch.Tensor, w, offsets: torch.Tensor) -> torch.Tenso
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Q8_K integer path of the routed experts (moe.py with MoeConfig(int8=True)): the C original's formulation
+# (model.md §14). The expert input and the mid activation are quantized per 256 values to int8 + an f32 scale;
+# IQ2_XXS / Q2_K weights enter as their integers; dots are exact integer sums per (sub-)block, scaled in f32:
+#   IQ2_XXS block: S = sum_sb (2 ls_sb + 1) sum_32 g_i q_i;   y += (d_w d_x) S;   finally y *= 0.125
+#   Q2_K block: I = sum_g sc_g sum_16 q_i x_i, M = sum_g m_g sum_16 x_i;   y += (d_w d_x) I - (dmin_w d_x) M
+# (g_i signed grid values, ls the 4-bit sub-block scale: db = d (0.5 + ls) / 4 = d (2 ls + 1) / 8.)
+# Legend: R rows, K row length (multiple of 256), nb = K / 256, N weight rows.
+
+Q8K_TINY = 1e-30  # blocks with amax below this quantize to zeros (keeps 127 / amax finite)
+
+
+def quantize_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (q int8 [R, K], d f32 [R, K/256]) per 256 values: d = amax / 127, q = RNE(x * (127 / amax))
+    in [-127, 127], both divisions correctly rounded; a block with amax < Q8K_TINY gives d = 0, q = 0."""
+    R, K = x.shape
+    xb = x.float().reshape(R, K // 256, 256)
+    amax = xb.abs().amax(-1)  # [R, nb]
+    big = amax >= Q8K_TINY
+    iscale = torch.where(big, 127.0 / torch.where(big, amax, 1.0), 0.0)
+    d = torch.where(big, amax / 127.0, 0.0)
+    q = torch.round(xb * iscale[..., None]).clamp(-127, 127)  # torch.round: half to even
+    return q.to(torch.int8).reshape(R, K), d
+
+
+def _table_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grid [256, 8] int32 magnitudes, ksigns [128, 8] int32 0/1 negation bits)."""
+    from ds4.quant.tables import IQ2XXS_GRID, KSIGNS
+
+    grid = torch.tensor(IQ2XXS_GRID, dtype=torch.int64).view(torch.uint8).reshape(256, 8).int()
+    bits = (torch.tensor(KSIGNS, dtype=torch.int32).reshape(128, 1) >> torch.arange(8)) & 1
+    return grid.to(device), bits.int().to(device)
+
+
+def q8k_weight_ints(w) -> dict[str, torch.Tensor]:
+    """Integer form of packed IQ2_XXS / Q2_K rows (a PackedWeight; all leading dims flattened to N rows).
+
+    IQ2_XXS: v int32 [N, K] signed grid values, ls int32 [N, K/32], d f32 [N, nb].
+    Q2_K:    v int32 [N, K] 2-bit quants (k order), sc, m int32 [N, K/16], d, dmin f32 [N, nb].
+    """
+    from ds4.quant.types import GGMLType
+
+    N, K, data, nb = w.rows, w.K, w.data, w.K // 256
+    if w.qtype == GGMLType.IQ2_XXS:
+        grid, bits = _table_tensors(data["qs"].device)
+        sg = data["sg"].reshape(N, nb * 8, 1)  # a1 word per 32-element sub-block
+        sidx = (sg >> torch.tensor([0, 7, 14, 21], device=sg.device)) & 127  # [N, K/32, 4] sign indices
+        idx = data["qs"].reshape(N, nb * 8, 4).long()  # grid index per group of 8
+        v = grid[idx] * (1 - 2 * bits[sidx.long()])  # [N, K/32, 4, 8]
+        ls = (sg[..., 0] >> 28) & 15
+        return {"v": v.reshape(N, K), "ls": ls, "d": data["d"].reshape(N, nb).float()}
+    if w.qtype == GGMLType.Q2_K:
+        dev = data["qs"].device
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=dev).reshape(1, 1, 1, 4, 1)
+        v = (data["qs"].reshape(N, nb, 2, 1, 32).int() >> shifts) & 3  # [N, nb, half, shift, 32]: k order
+        sc = data["sc"].reshape(N, nb * 16).int()  # one byte per 16 values, k order
+        dm = data["dm"].reshape(N, nb, 2).float()
+        return {"v": v.reshape(N, K), "sc": sc & 15, "m": sc >> 4, "d": dm[..., 0], "dmin": dm[..., 1]}
+    raise ValueError(f"the Q8_K integer path supports IQ2_XXS and Q2_K weights, got {w.qtype.name}")
+
+
+def q8k_block_ints(wi: dict[str, torch.Tensor], q: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Exact per-super-block integer sums of weight ints (q8k_weight_ints) with one quantized row q [K].
+
+    IQ2_XXS: {"S": [N, nb]}; Q2_K: {"I": [N, nb], "M": [N, nb]} (int64; see the section comment)."""
+    v = wi["v"]
+    N, K = v.shape
+    nb = K // 256
+    qi = q.reshape(-1).int()
+    if "ls" in wi:
+        isum = (v.reshape(N, K // 32, 32) * qi.reshape(K // 32, 32)).sum(-1, dtype=torch.int64)  # [N, K/32]
+        return {"S": ((2 * wi["ls"] + 1) * isum).reshape(N, nb, 8).sum(-1)}
+    isum = (v.reshape(N, K // 16, 16) * qi.reshape(K // 16, 16)).sum(-1, dtype=torch.int64)  # [N, K/16]
+    xs = qi.reshape(K // 16, 16).sum(-1, dtype=torch.int64)  # [K/16]
+    return {
+        "I": (wi["sc"] * isum).reshape(N, nb, 16).sum(-1),
+        "M": (wi["m"] * xs).reshape(N, nb, 16).sum(-1),
+    }
+
+
+def q8k_matvec_row(wi: dict[str, torch.Tensor], q: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+    """[N] f32: weight ints (q8k_weight_ints) dotted with one Q8_K row (q [K] int8, dx [nb] f32)."""
+    s = q8k_block_ints(wi, q)
+    if "S" in s:
+        return ((wi["d"] * dx) * s["S"].float()).sum(-1) * 0.125
+    return ((wi["d"] * dx) * s["I"].float() - (wi["dmin"] * dx) * s["M"].float()).sum(-1)
+
+
+def qmatvec_q8k(x: torch.Tensor, w) -> torch.Tensor:
+    """x [B, K] quantized to Q8_K, times IQ2_XXS / Q2_K rows W [N, K] -> [B, N] f32 (integer dots)."""
+    q, dx = quantize_q8k(x)
+    wi = q8k_weight_ints(w)
+    rows = [q8k_matvec_row(wi, q[b], dx[b]) for b in range(x.shape[0])]
+    return torch.stack(rows) if rows else x.new_zeros(0, w.rows, dtype=torch.float32)
+
+
+def _expert(w, e: int):
+    """Expert e of a packed stack [E, N, K] as its own [N, K] PackedWeight (row slices of the arrays)."""
+    N = w.N
+    return type(w)(w.qtype, (N, w.K), {key: t[e * N : (e + 1) * N] for key, t in w.data.items()})
+
+
+def _pairs_by_expert(ids: torch.Tensor) -> dict[int, list[tuple[int, int]]]:
+    pairs: dict[int, list[tuple[int, int]]] = {}
+    for b, row in enumerate(ids.tolist()):
+        for j, e in enumerate(row):
+            pairs.setdefault(int(e), []).append((b, j))
+    return pairs
+
+
+def moe_gate_up_q8k(x: torch.Tensor, wg, wu, ids: torch.Tensor, clamp: float) -> torch.Tensor:
+    """moe_gate_up with x quantized to Q8_K and integer dots: mid [B, k, F] f32 (unweighted)."""
+    B, k = ids.shape
+    q, dx = quantize_q8k(x)
+    g = torch.zeros(B, k, wg.N, dtype=torch.float32, device=x.device)
+    u = torch.zeros_like(g)
+    for e, pairs in _pairs_by_expert(ids).items():  # one integer decode per selected expert
+        gi, ui = q8k_weight_ints(_expert(wg, e)), q8k_weight_ints(_expert(wu, e))
+        for b, j in pairs:
+            g[b, j] = q8k_matvec_row(gi, q[b], dx[b])
+            u[b, j] = q8k_matvec_row(ui, q[b], dx[b])
+    return swiglu_clamped(g, u, clamp)
+
+
+def moe_down_q8k(mid: torch.Tensor, weights: torch.Tensor, wd, ids: torch.Tensor) -> torch.Tensor:
+    """moe_down with each pair's mid row quantized to Q8_K and integer dots: [B, D] f32."""
+    B, k, F = mid.shape
+    q, dx = quantize_q8k(mid.reshape(B * k, F))
+    y = torch.zeros(B, k, wd.N, dtype=torch.float32, device=mid.device)
+    for e, pairs in _pairs_by_expert(ids).items():
+        wi = q8k_weight_ints(_expert(wd, e))
+        for b, j in pairs:
+            y[b, j] = q8k_matvec_row(wi, q[b * k + j], dx[b * k + j])
+    return (y * weights.float()[..., None]).sum(1)
+
+
 # =========================================================================================================
 # Fused decode ops (fused.py): HC pre/post, q/kv norm + RoPE (+ FP8), router top-k
 # Legend: B rows, S streams, d = n_embd, M = (2 + S) * S mixing logits, H heads, D head dim, R RoPE dims,
