@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument(f"--{flag}", dest="backend", action="store_const", const=flag, help=f"{flag} backend")
     m.add_argument("--backend", choices=("metal", "cuda", "cpu"), help="backend selection")
     m.add_argument("-t", "--threads", metavar="N", help="CPU helper threads")
+    m.add_argument(
+        "--gpus",
+        metavar="N",
+        help="N processes, one per GPU, routed experts split over them (re-runs itself under "
+        "torch.distributed.run; with --cpu: N CPU processes over gloo)",
+    )
     m.add_argument("--quality", action="store_true", help="prefer exact kernels")
     m.add_argument("--warm-weights", action="store_true", help="touch the mapped weights at startup")
     m.add_argument("--dir-steering-file", metavar="FILE", help="directional steering vectors")
@@ -196,7 +202,7 @@ _INT_OPTIONS = {
     "ctx": "--ctx", "tokens": "--tokens", "threads": "--threads", "seed": "--seed",
     "mtp_draft": "--mtp-draft", "top_k": "--top-k",
     "logprobs_top_k": "--logprobs-top-k", "imatrix_max_prompts": "--imatrix-max-prompts",
-    "imatrix_max_tokens": "--imatrix-max-tokens",
+    "imatrix_max_tokens": "--imatrix-max-tokens", "gpus": "--gpus",
 }  # fmt: skip
 # Floats: option dest -> (flag, minimum, maximum).
 _FLOAT_OPTIONS = {
@@ -430,15 +436,69 @@ def _env_threads() -> int | None:
 
 
 def open_engine(args: argparse.Namespace, stack: contextlib.ExitStack) -> Engine:
-    """Take the instance lock, then load the model (the lock is released when `stack` closes)."""
+    """Take the instance lock, then load the model (the lock is released when `stack` closes).
+
+    Under torchrun (rank 0 of several) the followers are told what to load, and the engine's model becomes
+    a ds4.dist.Leader that mirrors every call to them."""
     from ds4.engine import Engine
     from ds4.lock import InstanceLock
 
     path = resolve_model_path(args.model)
     stack.enter_context(InstanceLock())
-    engine = Engine.open(path, backend=args.backend or default_backend(), threads=requested_threads(args))
+    backend, threads = args.backend or default_backend(), requested_threads(args)
+    dist = _dist()
+    if dist is not None:
+        dist.leader_message(("load", str(path), backend, threads))
+    engine = Engine.open(path, backend=backend, threads=threads)
     stack.callback(engine.close)
+    if dist is not None:
+        engine.model = dist.wrap_or_follow(engine.model)
     return engine
+
+
+def _dist():
+    """ds4.dist when this process is one of several started by torchrun, else None (no torch import)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from ds4 import dist
+
+    return dist
+
+
+def start_distributed(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    """--gpus N outside torchrun: exec this command under torch.distributed.run with N processes. Inside
+    torchrun: join the process group (gloo for --cpu, else NCCL when CUDA is present)."""
+    dist = _dist()
+    if dist is None:
+        if args.gpus and args.gpus > 1:
+            from ds4 import dist as d
+
+            d.relaunch(args.gpus, _without_gpus(list(sys.argv[1:] if argv is None else argv)))
+        return
+    dist.init("gloo" if args.backend == "cpu" else None)
+
+
+def _without_gpus(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--gpus":
+            skip = True
+        elif not a.startswith("--gpus="):
+            out.append(a)
+    return out
+
+
+def follower_main() -> int:
+    """Ranks > 0: wait for rank 0 to name the model, load it, run the ops rank 0 mirrors (silently)."""
+    from ds4 import dist
+    from ds4.engine import Engine
+
+    _, path, backend, threads = dist.leader_message()  # exits the process if rank 0 loads nothing
+    engine = Engine.open(path, backend=backend, threads=threads)
+    dist.wrap_or_follow(engine.model)  # returns only by exiting the process
+    return 0
 
 
 def prompt_text(args: argparse.Namespace) -> str:
@@ -813,7 +873,16 @@ def select_mode(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        return MODES[select_mode(args)](args)
+        mode = select_mode(args)
+        start_distributed(args, argv)
+        dist = _dist()
+        if dist is not None and dist.rank() > 0:
+            return follower_main()
+        try:
+            return MODES[mode](args)
+        finally:
+            if dist is not None:
+                dist.shutdown()
     except _Exit as e:
         return e.status
     except Ds4Error as e:

@@ -1,6 +1,9 @@
 """FFN sublayer: sqrt-softplus router (hash or biased top-k) and clamped SwiGLU experts (model.md §5.5).
 
 Legend: T tokens, d = n_embd, E routed experts, k = experts per token, F = expert hidden width.
+
+Expert parallel (ds4.dist): with a process group of N > 1 processes, each computes only its contiguous
+shard of the experts (every rank routes every token) and the routed sums are added with one all_reduce.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ds4 import dist
 
 
 @dataclass
@@ -63,11 +68,21 @@ def moe_forward(
     normalize: bool,
     clamp: float,
 ) -> torch.Tensor:
-    """Routed experts (router weight applied before the down projection) + the shared expert: [T, d]."""
+    """Routed experts (router weight applied before the down projection) + the shared expert: [T, d].
+
+    Under expert parallelism only this rank's experts [lo, hi) are computed here; the routed sum is then
+    all_reduced over the ranks (the stacks may hold all E experts or only the hi - lo local ones).
+    """
     weights, ids = route(w, xf, tokens, k, scale, normalize)
+    lo, hi = dist.expert_range(w.gate_inp.shape[0])
+    base = 0 if w.gate_exps.shape[0] == w.gate_inp.shape[0] else lo  # full stack, or local rows only
     y = torch.zeros_like(xf)
     for e in torch.unique(ids).tolist():  # ascending expert id, like the official loop
+        if not lo <= e < hi:
+            continue
         tok, slot = torch.where(ids == e)
-        mid = swiglu(xf[tok], w.gate_exps[e], w.up_exps[e], clamp) * weights[tok, slot, None]  # [t, F]
-        y.index_add_(0, tok, F.linear(mid, w.down_exps[e]))
+        j = e - base
+        mid = swiglu(xf[tok], w.gate_exps[j], w.up_exps[j], clamp) * weights[tok, slot, None]  # [t, F]
+        y.index_add_(0, tok, F.linear(mid, w.down_exps[j]))
+    dist.all_reduce_(y)
     return y + F.linear(swiglu(xf, w.gate_sh, w.up_sh, clamp), w.down_sh)

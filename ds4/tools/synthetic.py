@@ -209,13 +209,25 @@ def tensor_bytes(
     seed: int,
     device: torch.device | str = "cpu",
     gen_device: torch.device | str | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """One whole tensor: uint8 [*shape[:-1], row_bytes] on `device` (generated on gen_device)."""
+    """One whole tensor: uint8 [*shape[:-1], row_bytes] on `device` (generated on gen_device).
+
+    rows=(lo, hi): only outermost slabs lo..hi-1 (e.g. one rank's experts of a stack), generating only the
+    chunks that overlap them; the bytes equal the same slice of the whole tensor.
+    """
     shape = pt.spec.shape
-    out = torch.empty((*shape[:-1], row_nbytes(pt.qtype, shape[-1])), dtype=torch.uint8, device=device)
+    lo, hi = (0, shape[0]) if rows is None else rows
+    if not 0 <= lo < hi <= shape[0]:
+        raise ValueError(f"{pt.name}: rows {rows} outside [0, {shape[0]})")
+    out = torch.empty(
+        (hi - lo, *shape[1:-1], row_nbytes(pt.qtype, shape[-1])), dtype=torch.uint8, device=device
+    )
     slabs = chunk_slabs(shape)
-    for i, chunk in enumerate(iter_chunks(pt, cfg, seed=seed, device=gen_device or device)):
-        out[i * slabs : i * slabs + chunk.shape[0]] = chunk  # copies across devices if they differ
+    for i in range(lo // slabs, -(-hi // slabs)):
+        chunk = generate_chunk(pt.spec, pt.qtype, cfg, i, seed=seed, device=gen_device or device)
+        a, b = max(lo, i * slabs), min(hi, i * slabs + chunk.shape[0])  # overlap in tensor rows
+        out[a - lo : b - lo] = chunk[a - i * slabs : b - i * slabs]  # copies across devices if they differ
     return out
 
 
@@ -227,8 +239,10 @@ def iter_weights(
     device: torch.device | str = "cpu",
     names: Iterable[str] | None = None,
     gen_device: torch.device | str | None = None,
+    expert_rows: tuple[int, int] | None = None,
 ) -> Iterator[tuple[str, GGMLType, torch.Tensor]]:
-    """(name, type, bytes) for every planned tensor (or only `names`), one at a time."""
+    """(name, type, bytes) for every planned tensor (or only `names`), one at a time; expert_rows=(lo, hi)
+    keeps only experts lo..hi-1 of the routed-expert stacks (tensor_bytes' rows)."""
     wanted = None if names is None else set(names)
     planned = plan(cfg, quant)
     if wanted is not None:
@@ -237,7 +251,9 @@ def iter_weights(
             raise KeyError(f"not tensors of a {cfg.preset_name} {quant} model: {sorted(unknown)[:5]}")
     for pt in planned:
         if wanted is None or pt.name in wanted:
-            yield pt.name, pt.qtype, tensor_bytes(pt, cfg, seed=seed, device=device, gen_device=gen_device)
+            rows = expert_rows if pt.is_routed_expert else None
+            raw = tensor_bytes(pt, cfg, seed=seed, device=device, gen_device=gen_device, rows=rows)
+            yield pt.name, pt.qtype, raw
 
 
 def build_weights(
@@ -248,13 +264,18 @@ def build_weights(
     device: torch.device | str = "cpu",
     names: Iterable[str] | None = None,
     gen_device: torch.device | str | None = None,
+    expert_rows: tuple[int, int] | None = None,
 ) -> dict[str, tuple[GGMLType, torch.Tensor]]:
     """All (or `names`) synthetic tensors as {name: (type, uint8 [*shape[:-1], row_bytes])}.
 
     A tensor's bytes, flattened, are exactly its data in the GGUF ds4-make-model writes with the same
     cfg, quant and seed (when generated on the same device type; see the module docstring).
+    expert_rows=(lo, hi): routed-expert stacks hold only experts lo..hi-1 (an expert-parallel shard,
+    generated without building the whole stack), byte-identical to that slice of the whole stack.
     """
-    it = iter_weights(cfg, quant, seed=seed, device=device, names=names, gen_device=gen_device)
+    it = iter_weights(
+        cfg, quant, seed=seed, device=device, names=names, gen_device=gen_device, expert_rows=expert_rows
+    )
     return {name: (qtype, raw) for name, qtype, raw in it}
 
 

@@ -6,6 +6,11 @@ Decode (T = 1) takes the expert ids as a DEVICE tensor and only gathers those ex
 has no host sync and can be captured in a CUDA graph. Prefill groups tokens by expert (host loop over the
 experts in use) and decodes one expert at a time to the compute dtype for a GEMM. When the Triton kernels
 of ds4.kernels.moe are present they replace the gather + decode + matmul of decode.
+
+Expert parallel (ds4.dist, N > 1 processes): the stacks hold only this rank's contiguous shard of E/N experts
+(ds4.model.cuda.weights loads only those rows). Decode keeps its static shapes for CUDA graphs: ids outside
+the shard get router weight 0 and are clamped to a valid local expert; prefill drops them. The routed output
+is summed over the ranks with one all_reduce on the current stream (capturable in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ds4 import dist
 from ds4.model.cuda.weights import Packed
 
 try:  # gathered-expert / grouped Triton kernels (another module's family); optional
@@ -70,19 +76,35 @@ def swiglu_mid(g: torch.Tensor, u: torch.Tensor, clamp: float) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def _n_stack(w) -> int:
+    return w.data.shape[0] if isinstance(w, Packed) else w.shape[0]
+
+
+def local_slots(ids: torch.Tensor, weights: torch.Tensor, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global expert ids [T, k] -> (local ids clamped into [0, n_local), weights with other ranks' experts
+    zeroed); no host sync. One process: unchanged."""
+    if not dist.active():
+        return ids, weights
+    local = ids - dist.rank() * n_local
+    own = (local >= 0) & (local < n_local)
+    return local.clamp(0, n_local - 1), torch.where(own, weights, torch.zeros_like(weights))
+
+
 def routed_decode(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Packed, up: Packed, down: Packed, clamp
 ) -> torch.Tensor:
     """x [1, d], ids [1, k] (device), weights [1, k] -> [1, d]: sum_j w_j down_j(swiglu(gate_j x, up_j x))."""
+    ids, weights = local_slots(ids, weights, _n_stack(gate))
     if not isinstance(gate, Packed):  # PackedWeight stacks: the fused gather kernels
         ids32 = ids.to(torch.int32)
-        return kmoe.moe_down(kmoe.moe_gate_up(x, gate, up, ids32, clamp), weights, down, ids32)
+        y = kmoe.moe_down(kmoe.moe_gate_up(x, gate, up, ids32, clamp), weights, down, ids32)
+        return dist.all_reduce_(y)
     sel = ids[0]
     g = decode_rows(gate.data.index_select(0, sel), gate.qtype, gate.cols)  # [k, F, d]
     u = decode_rows(up.data.index_select(0, sel), up.qtype, up.cols)
     mid = swiglu_mid(g @ x[0], u @ x[0], clamp) * weights[0, :, None]  # [k, F]
     dn = decode_rows(down.data.index_select(0, sel), down.qtype, down.cols)  # [k, d, F]
-    return torch.einsum("kdf,kf->d", dn, mid)[None]
+    return dist.all_reduce_(torch.einsum("kdf,kf->d", dn, mid)[None].contiguous())
 
 
 def routed_prefill(
@@ -97,19 +119,32 @@ def routed_prefill(
 ) -> torch.Tensor:
     """x [T, d], ids/weights [T, k] -> [T, d]; tokens grouped by expert, one expert decoded at a time."""
     T, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # [T*k] slots sorted by expert
-    n_exp = gate.data.shape[0] if isinstance(gate, Packed) else gate.shape[0]
+    n_exp = _n_stack(gate)
+    flat, w_flat = ids.reshape(-1), weights.reshape(-1)  # [N] slots, N = T*k
+    tok_flat = torch.arange(T * k, device=ids.device) // k
+    if dist.active():  # keep only this rank's slots, with local expert ids (host sync: prefill only)
+        lo = dist.rank() * n_exp
+        keep = torch.nonzero((flat >= lo) & (flat < lo + n_exp)).reshape(-1)
+        flat, w_flat, tok_flat = flat[keep] - lo, w_flat[keep], tok_flat[keep]
+    y = _grouped_sum(x, flat, w_flat, tok_flat, gate, up, down, clamp, dtype, n_exp)
+    return dist.all_reduce_(y)
+
+
+def _grouped_sum(x, flat, w_flat, tok_flat, gate, up, down, clamp: float, dtype, n_exp: int) -> torch.Tensor:
+    """sum over slots s of w_flat[s] * expert_{flat[s]}(x[tok_flat[s]]) into rows tok_flat[s]: [T, d] f32."""
+    T = x.shape[0]
+    order = torch.argsort(flat, stable=True)  # [N] slots sorted by expert
     hist = torch.bincount(flat, minlength=n_exp)
-    tok_sorted = order // k
+    tok_sorted = tok_flat[order]
+    w_sorted = w_flat[order]
     grouped = moe_grouped is not None and (dtype != torch.float32 or os.environ.get("DS4_GROUPED_F32") == "1")
     if not isinstance(gate, Packed) and grouped:  # grouped GEMMs with dequant on the fly (bf16 tensor cores)
         offsets = torch.zeros(n_exp + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = hist.cumsum(0)
-        xs = x[tok_sorted].to(dtype)  # [T*k, d] rows grouped by expert
-        g, u = moe_grouped(xs, gate, offsets), moe_grouped(xs, up, offsets)  # [T*k, F]
-        mid = swiglu_mid(g, u, clamp) * weights.reshape(-1)[order, None]
-        out = moe_grouped(mid.to(dtype), down, offsets)  # [T*k, d]
+        xs = x[tok_sorted].to(dtype)  # [N, d] rows grouped by expert
+        g, u = moe_grouped(xs, gate, offsets), moe_grouped(xs, up, offsets)  # [N, F]
+        mid = swiglu_mid(g, u, clamp) * w_sorted[:, None]
+        out = moe_grouped(mid.to(dtype), down, offsets)  # [N, d]
         return torch.zeros(T, x.shape[1], device=x.device).index_add_(0, tok_sorted, out.float())
     counts = hist.tolist()  # host sync: prefill only
     xs = x.to(dtype)
@@ -118,13 +153,13 @@ def routed_prefill(
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        slots = order[start : start + n]
         tok = tok_sorted[start : start + n]
+        we = w_sorted[start : start + n]
         start += n
         xe = xs[tok]  # [n, d]
         g = xe @ _expert(gate, e).to(dtype).T  # [n, F]
         u = xe @ _expert(up, e).to(dtype).T
-        mid = swiglu_mid(g.float(), u.float(), clamp) * weights.reshape(-1)[slots, None]
+        mid = swiglu_mid(g.float(), u.float(), clamp) * we[:, None]
         out = mid.to(dtype) @ _expert(down, e).to(dtype).T  # [n, d]
         y.index_add_(0, tok, out.float())
     return y

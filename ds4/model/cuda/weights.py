@@ -7,6 +7,10 @@ weights built directly on the GPU (ds4.tools.synthetic.build_weights) load throu
 experts stay in their ggml blocks ([E, rows, rb] uint8, never dequantized whole); every other matrix is
 dequantized once to `dtype` (float32 for small models, so tests compare exactly; bfloat16 for Flash, for
 tensor-core GEMMs). Small vectors (norms, HC, router, sinks, APE) stay float32.
+
+Expert parallel (ds4.dist, N > 1 processes): each routed-expert stack keeps only this rank's contiguous
+rows [lo, hi) of E (ds4.dist.expert_range), cut from the source's bytes before they are uploaded; a source
+may also hand over just those rows already (synthetic weights built per shard).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ds4 import dist
 from ds4.config import ModelConfig
 from ds4.layout import tensor_specs
 from ds4.quant import GGMLType, dequantize, row_nbytes
@@ -108,12 +113,28 @@ class WeightStore:
         """Routed-expert stack: a ds4.kernels PackedWeight when the fused MoE kernels exist, else Packed."""
         qtype, raw = self.source(name)
         E, rows, cols = self.shapes[name]
+        raw, E = expert_rows(name, raw, E, rows * row_nbytes(qtype, cols))
         if self.kernels and _has_moe_kernels():
             from ds4.kernels.packing import pack
 
             return pack(raw.to(self.device).reshape(-1), qtype, (E, rows, cols))
         data = raw.to(self.device).reshape(E, rows, row_nbytes(qtype, cols))
         return Packed(qtype, data.contiguous(), rows, cols)
+
+
+def expert_rows(name: str, raw: torch.Tensor, n_expert: int, expert_bytes: int) -> tuple[torch.Tensor, int]:
+    """This rank's experts of a stack's bytes: (uint8 [n_local * expert_bytes], n_local). The source may give
+    the whole stack (cut here, before any upload) or exactly this rank's rows."""
+    lo, hi = dist.expert_range(n_expert)
+    flat = raw.reshape(-1)
+    if flat.numel() == (hi - lo) * expert_bytes:
+        return flat, hi - lo
+    if flat.numel() != n_expert * expert_bytes:
+        raise ValueError(
+            f"{name}: expected {n_expert} experts x {expert_bytes} bytes (or this rank's {hi - lo}), "
+            f"got {flat.numel()} bytes"
+        )
+    return flat[lo * expert_bytes : hi * expert_bytes], hi - lo
 
 
 def _has_moe_kernels() -> bool:

@@ -1,0 +1,436 @@
+"""Several processes (one per GPU, or CPU processes over gloo) running one model: expert parallelism.
+
+Launch with torchrun (`torchrun --standalone --nproc-per-node N --no-python ds4 ...`, or `ds4 --gpus N`,
+which re-launches itself that way). `init()` reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK and joins the
+default process group: NCCL when CUDA is present (device = LOCAL_RANK), else gloo. NCCL's NVLink multicast
+(NVLS) is switched off before NCCL starts: on the lent multi-GPU hosts it can take every GPU of the host
+out of service.
+
+Parallel layout (expert parallel only):
+  * routed experts: rank r holds and computes experts [r*E/N, (r+1)*E/N) (`expert_range`); every rank
+    routes every token (the router is replicated), masks the experts it does not own, and the routed
+    outputs are summed with one all_reduce per MoE layer (ds4.model.moe, ds4.model.cuda.experts). With
+    replicated activations an all_reduce is exactly reduce-scatter + all-gather, so no all-to-all is needed.
+  * everything else (embeddings, attention, compressors, indexer, shared expert, HC, head) is replicated.
+Why no tensor parallelism yet: the routed experts are ~90% of the bytes (q4: ~140 of ~153 GB), so sharding
+them alone lets q4 fit two 141 GB GPUs and halves the dominant decode read. The replicated rest is ~13 GB.
+Sharding attention or the shared expert would add two collectives per layer (43 layers x 2 more latency-
+bound all_reduces per decode token, ~10-20 us each on NVLink) to save reads of ~0.1 GB per token; the vocab
+head (129k x 4096) is the cheapest first TP candidate and is left for later.
+
+Execution model (leader / followers): rank 0 runs the product (CLI, server, bench) unchanged against
+`Leader(model)`; every model call it makes (new_state, new_states, forward, decode_batch, decode_greedy, ...)
+and every state call (reset, copy_from, clone, load_cpu, ...) is first broadcast as a small op record over a
+gloo control group, then executed. Ranks > 0 run `follow(model)`: receive the same records and execute them
+on their own model, so every rank runs the same sequence of forwards and meets at the same all_reduces.
+States are created in the same order on every rank and referred to by id. Reads that change nothing
+(state.to_cpu, state.nbytes, attributes) run on rank 0 only: states are replicated, so rank 0's copy is
+the truth. Rank 0 sends "exit" when it closes (also at interpreter exit), and the followers return.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+import weakref
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as tdist
+
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# The control group waits for rank 0's next call, which can be hours away on an idle server.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+_ctrl = None  # gloo group for op records (CPU), set by init() when world > 1
+_leader = None  # rank 0's Leader once wrapped
+
+
+class DistError(RuntimeError):
+    pass
+
+
+def launched() -> bool:
+    """True when torchrun (or an equivalent launcher) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init(backend: str | None = None) -> bool:
+    """Join the process group described by torchrun's environment (no-op for a single process).
+
+    backend: "nccl" or "gloo"; None = nccl when CUDA is available, else gloo. Returns True when a group of
+    more than one process is active.
+    """
+    global _ctrl
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_world_size() > 1
+    if not launched():
+        return False
+    for key, value in NVLS_OFF.items():
+        os.environ[key] = value  # before NCCL reads its environment
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        if local >= torch.cuda.device_count():
+            raise DistError(
+                f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices are visible"
+            )
+        torch.cuda.set_device(local)
+        tdist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        tdist.init_process_group(backend)
+    _ctrl = tdist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if rank() == 0:
+        atexit.register(shutdown)
+    return True
+
+
+def active() -> bool:
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def world() -> int:
+    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+
+
+def rank() -> int:
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
+
+
+def expert_range(n_expert: int, r: int | None = None, n: int | None = None) -> tuple[int, int]:
+    """[lo, hi) of the routed experts rank r (default: this rank) of n (default: world) holds."""
+    r = rank() if r is None else r
+    n = world() if n is None else n
+    if n_expert % n:
+        raise DistError(f"{n_expert} routed experts do not split evenly over {n} processes (use a divisor)")
+    per = n_expert // n
+    return r * per, (r + 1) * per
+
+
+def all_reduce_(t: torch.Tensor) -> torch.Tensor:
+    """Sum t over the ranks in place (no-op for one process); plain all_reduce on the current stream,
+    so it can be captured in a CUDA graph."""
+    if active():
+        tdist.all_reduce(t)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Control channel
+# ---------------------------------------------------------------------------------------------
+
+
+def _send(obj: Any) -> None:
+    tdist.broadcast_object_list([obj], src=0, group=_ctrl)
+
+
+def _recv() -> Any:
+    box = [None]
+    tdist.broadcast_object_list(box, src=0, group=_ctrl)
+    return box[0]
+
+
+def _is_exit(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) > 0 and obj[0] == "exit"
+
+
+_exit_sent = False
+
+
+def shutdown() -> None:
+    """Rank 0: tell the followers to exit (once). Every rank: leave the process group."""
+    global _exit_sent
+    if not active():
+        return
+    if rank() == 0 and not _exit_sent:
+        _exit_sent = True
+        _send(("exit",))
+    tdist.destroy_process_group()
+
+
+def leader_message(obj: Any = None) -> Any:
+    """A message from rank 0 to the followers outside the op stream (e.g. the model path the CLI resolved):
+    rank 0 sends obj, the others return it. A follower that gets "exit" instead leaves the process."""
+    if not active():
+        return obj
+    if rank() == 0:
+        _send(("msg", obj))
+        return obj
+    got = _recv()
+    if _is_exit(got):
+        _exit_follower()
+    return got[1]
+
+
+def _exit_follower() -> NoReturn:
+    tdist.destroy_process_group()
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops: the same `Executor.run` executes them on every rank
+# ---------------------------------------------------------------------------------------------
+
+
+class _Ref:
+    """A state named by id inside an op record."""
+
+    __slots__ = ("sid",)
+
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+
+    def __reduce__(self):
+        return (_Ref, (self.sid,))
+
+
+def _is_state(obj: Any) -> bool:
+    return hasattr(obj, "n_tokens") and hasattr(obj, "layers") and hasattr(obj, "ctx")
+
+
+class Executor:
+    """The registry of live states (id -> local state) and the op interpreter."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.states: dict[int, Any] = {}
+        self.next_id = 0
+
+    def resolve(self, obj: Any) -> Any:
+        if isinstance(obj, _Ref):
+            return self.states[obj.sid]
+        if isinstance(obj, list):
+            return [self.resolve(o) for o in obj]
+        if isinstance(obj, tuple):
+            return tuple(self.resolve(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self.resolve(v) for k, v in obj.items()}
+        return obj
+
+    def register(self, obj: Any) -> Any:
+        """New states in a result get the next ids (same order on every rank); returns obj with _Refs."""
+        if _is_state(obj):
+            sid, self.next_id = self.next_id, self.next_id + 1
+            self.states[sid] = obj
+            return _Ref(sid)
+        if isinstance(obj, list) and any(_is_state(o) for o in obj):
+            return [self.register(o) for o in obj]
+        if isinstance(obj, tuple) and any(_is_state(o) for o in obj):
+            return tuple(self.register(o) for o in obj)
+        return obj
+
+    def run(self, op: tuple) -> Any:
+        kind, frees, inference, grad = op[0], op[1], op[2], op[3]
+        for sid in frees:
+            self.states.pop(sid, None)
+        ctx = torch.inference_mode() if inference else torch.set_grad_enabled(grad)
+        with ctx:
+            return self._dispatch(kind, *op[4:])
+
+    def _dispatch(self, kind: str, *a: Any) -> Any:
+        if kind == "call":  # model method
+            name, args, kwargs = a
+            return self.register(getattr(self.model, name)(*self.resolve(args), **self.resolve(kwargs)))
+        if kind == "set":  # model attribute
+            setattr(self.model, a[0], self.resolve(a[1]))
+            return None
+        sid = a[0]
+        st = self.states[sid]
+        if kind == "scall":  # state method
+            name, args, kwargs = a[1:]
+            return self.register(getattr(st, name)(*self.resolve(args), **self.resolve(kwargs)))
+        if kind == "sset":
+            setattr(st, a[1], self.resolve(a[2]))
+            return None
+        if kind == "reset":  # device states reset in place; CPU states are replaced by a fresh one
+            if hasattr(st, "reset"):
+                st.reset()
+            else:
+                self.states[sid] = self.model.new_state(st.ctx)
+            return None
+        if kind == "copy_from":
+            src = self.states[a[1]]
+            if hasattr(st, "copy_from"):
+                st.copy_from(src)
+            else:
+                self.states[sid] = src.clone()
+            return None
+        if kind == "load_cpu":
+            if hasattr(st, "load_cpu"):
+                st.load_cpu(a[1])
+            else:
+                self.states[sid] = a[1].clone()
+            return None
+        raise DistError(f"unknown op {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank 0: the wrapper the product talks to
+# ---------------------------------------------------------------------------------------------
+
+_LOCAL_STATE_READS = {"nbytes", "to_cpu", "tensors"}  # run on rank 0 only: they change nothing
+
+
+def _cpu_args(obj: Any) -> Any:
+    """Tensors travel as CPU tensors (a pickled CUDA tensor would land on the receiver's device 0)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, list):
+        return [_cpu_args(o) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(_cpu_args(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cpu_args(v) for k, v in obj.items()}
+    return obj
+
+
+class Leader:
+    """Rank 0's view of the model: calls are broadcast to the followers, then run here."""
+
+    def __init__(self, model: Any) -> None:
+        object.__setattr__(self, "_ex", Executor(model))
+        object.__setattr__(self, "_frees", [])
+        object.__setattr__(self, "_refs", {})  # sid -> weakref of its StateRef
+
+    @property
+    def inner(self) -> Any:
+        return self._ex.model
+
+    def _op(self, kind: str, *args: Any) -> Any:
+        frees, self._frees[:] = list(self._frees), []
+        op = (kind, frees, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), *args)
+        if _exit_sent:
+            raise DistError("the process group was shut down: the followers no longer run this model")
+        _send(op)
+        return self._wrap(self._ex.run(op))
+
+    def _wrap(self, obj: Any) -> Any:
+        if isinstance(obj, _Ref):
+            return self._ref(obj.sid)
+        if isinstance(obj, list):
+            return [self._wrap(o) for o in obj]
+        if isinstance(obj, tuple):
+            return tuple(self._wrap(o) for o in obj)
+        return obj
+
+    def _ref(self, sid: int) -> StateRef:
+        ref = StateRef(self, sid)
+        weakref.finalize(ref, self._frees.append, sid)
+        return ref
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._ex.model, name)
+        if name.startswith("_") or not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._op("call", name, _encode(args), _encode(kwargs))
+
+        return call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._op("set", name, _encode(value))
+
+    def close(self) -> None:
+        shutdown()
+
+
+def _encode(obj: Any) -> Any:
+    """Op-record form of call arguments: StateRefs -> _Ref ids, tensors -> CPU."""
+    if isinstance(obj, StateRef):
+        return _Ref(obj._sid)
+    if isinstance(obj, list):
+        return [_encode(o) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(_encode(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _encode(v) for k, v in obj.items()}
+    return _cpu_args(obj)
+
+
+class StateRef:
+    """A state living on every rank; reads go to rank 0's copy, mutations are broadcast."""
+
+    def __init__(self, leader: Leader, sid: int) -> None:
+        object.__setattr__(self, "_leader", leader)
+        object.__setattr__(self, "_sid", sid)
+
+    @property
+    def local(self) -> Any:
+        return self._leader._ex.states[self._sid]
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.local, name)
+        if name.startswith("_") or not callable(value) or name in _LOCAL_STATE_READS:
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._leader._op("scall", self._sid, name, _encode(args), _encode(kwargs))
+
+        return call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._leader._op("sset", self._sid, name, _encode(value))
+
+    # In-place forms every state gets (CPU KVStates lack them; the op replaces the local object instead).
+    def reset(self) -> None:
+        self._leader._op("reset", self._sid)
+
+    def copy_from(self, other: StateRef) -> None:
+        self._leader._op("copy_from", self._sid, other._sid)
+
+    def load_cpu(self, cpu: Any) -> None:
+        self._leader._op("load_cpu", self._sid, cpu)
+
+    def to_cpu(self) -> Any:
+        local = self.local
+        return local.to_cpu() if hasattr(local, "to_cpu") else local.clone()
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def follow(model: Any) -> None:
+    """Ranks > 0: execute rank 0's op records on `model` until it sends "exit"."""
+    ex = Executor(model)
+    while True:
+        op = _recv()
+        if _is_exit(op):
+            return
+        if op[0] == "msg":
+            continue
+        try:
+            ex.run(op)
+        except Exception:  # noqa: BLE001 - rank 0 raised the same error from the same op and reports it
+            pass
+
+
+def wrap_or_follow(model: Any) -> Any:
+    """Call right after loading the model. One process: the model itself. Rank 0: a Leader that mirrors
+    every call to the followers. Ranks > 0: run the follower loop, then exit the process (status 0)."""
+    global _leader
+    if not active():
+        return model
+    if rank() == 0:
+        _leader = Leader(model)
+        return _leader
+    follow(model)
+    _exit_follower()
+
+
+def torchrun_command(n: int, argv: list[str]) -> list[str]:
+    """The command that runs `ds4 argv` as n processes under torch.distributed.run (one per GPU)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+            "-m", "ds4", *argv]  # fmt: skip
+
+
+def relaunch(n: int, argv: list[str]) -> NoReturn:
+    """exec `ds4 argv` under torchrun with n processes, NVLink multicast off (does not return)."""
+    env = dict(os.environ, **NVLS_OFF)
+    cmd = torchrun_command(n, argv)
+    os.execve(cmd[0], cmd, env)
