@@ -17,6 +17,7 @@ Legend: B rows, k experts per row, K model width (4096), F expert width (2048), 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -281,6 +282,201 @@ def _q2k_down_kernel(
     tl.store(out + n, acc * rw, mask=n < D)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Q8_K integer path (MoeConfig.int8): the C original's routed-expert formulation (model.md §14). The input x
+# and the mid activation are quantized per 256 values to int8 + f32 scale (_q8k_quant_kernel, as
+# ref.quantize_q8k); weights stay integers packed 4 to an int32 word and meet 4 int8 x values in one dp4a
+# (PTX; DP4A=False: the same sum in plain int32 ops, which Triton's interpreter can run). Integer sums per
+# (sub-)block, f32 scaling per super-block in the order of ref.q8k_matvec_row (the twin).
+#   IQ2_XXS: a group of 8 = grid row (magnitudes 8/25/43 as bytes: words lo, hi) + 8 sign bits (7 stored +
+#            parity); signs are applied to whole words (_sign_bytes), so a group costs 2 dp4a.
+#   Q2_K:    (word >> 2t) & 0x03030303 = 4 quants as bytes; per 16 values I += sc * sum q x, M += m * sum x.
+
+
+@triton.jit
+def _dot4(a, b, c, DP4A: tl.constexpr):
+    """c + sum over the 4 bytes of int32 words a, b as signed int8 products (broadcasting, int32)."""
+    if DP4A:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        acc = c + ((a << 24) >> 24) * ((b << 24) >> 24)  # << then arithmetic >>: sign-extended byte 0
+        acc += ((a << 16) >> 24) * ((b << 16) >> 24)
+        acc += ((a << 8) >> 24) * ((b << 8) >> 24)
+        return acc + (a >> 24) * (b >> 24)
+
+
+@triton.jit
+def _sign_bytes(w, s4):
+    """Negate byte i of int32 word w where bit i of s4 (0..15) is set. Bits spread to bytes by a carry-free
+    multiply (0x204081 = 1 + 2^7 + 2^14 + 2^21); then (w ^ m) + (m & 1s) is a per-byte two's complement
+    negation with no carry between bytes because every byte of w is >= 1 (grid magnitudes 8/25/43)."""
+    b = (s4 * 0x204081) & 0x01010101  # 0x01 in byte i iff bit i
+    m = (b << 8) - b  # 0xFF in those bytes (wraps in int32)
+    return (w ^ m) + b
+
+
+@triton.jit
+def _rne_int(v):
+    """Round-half-even of f32 |v| < 2^22 to int32 (1.5 * 2^23 added: the mantissa holds the integer)."""
+    r = (v + 12582912.0).to(tl.int32, bitcast=True)
+    return (r & 0x7FFFFF) - 0x400000
+
+
+@triton.jit
+def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, TINY: tl.constexpr):
+    """Block program_id(1) of row program_id(0): x [R, K] (f32|bf16) -> q int8 [R, K], d f32 [R, K/256]."""
+    r = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    i = tl.arange(0, 256)
+    x = tl.load(x_ptr + r * stride_x + blk * 256 + i).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    big = amax >= TINY
+    iscale = tl.where(big, tl.div_rn(127.0, tl.where(big, amax, 1.0)), 0.0)  # correctly rounded, as torch
+    d = tl.where(big, tl.div_rn(amax, 127.0), 0.0)
+    q = tl.minimum(tl.maximum(_rne_int(x * iscale), -127), 127)
+    tl.store(q_ptr + r * K + blk * 256 + i, q.to(tl.int8))
+    tl.store(d_ptr + r * (K // 256) + blk, d)
+
+
+@triton.jit
+def _iq2_q8k_block(qs, sg, dd, tab32, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.constexpr):
+    """[BN] f32 = (d_w d_x) S of IQ2_XXS super-block kt of rows wrow with the Q8_K words xlo, xhi [8, 4]
+    (elements 0-3 / 4-7 of group 4 sb + l) and scale dx of x."""
+    sb = tl.arange(0, 8)
+    lg = tl.arange(0, 4)
+    grp = sb[:, None] * 4 + lg[None, :]  # [8, 4] group of 8 elements
+    idx = tl.load(qs + wrow[:, None, None] * (nb * 32) + kt * 32 + grp[None, :, :]).to(tl.int32)  # [BN, 8, 4]
+    a1 = tl.load(sg + wrow[:, None] * (nb * 8) + kt * 8 + sb[None, :])  # [BN, 8] int32
+    d = tl.load(dd + wrow * nb + kt).to(tl.float32)  # [BN]
+    lo = tl.load(tab32 + idx * 2)  # [BN, 8, 4] grid bytes 0-3
+    hi = tl.load(tab32 + idx * 2 + 1)  # bytes 4-7
+    s = (a1[:, :, None] >> (7 * lg)[None, None, :]) & 127  # [BN, 8, 4] sign index
+    p = s ^ (s >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    signs = s | ((p & 1) << 7)  # KSIGNS[s]: bit j negates element j
+    dot = _dot4(_sign_bytes(lo, signs & 15), xlo[None, :, :], 0, DP4A)
+    dot = _dot4(_sign_bytes(hi, signs >> 4), xhi[None, :, :], dot, DP4A)
+    isum = tl.sum(dot, axis=2)  # [BN, 8] per sub-block
+    S = tl.sum(isum * (2 * ((a1 >> 28) & 15) + 1), axis=1)  # [BN] int32 (|S| < 2^26)
+    return (d * dx) * S.to(tl.float32)
+
+
+@triton.jit
+def _iq2_q8k_gate_up_kernel(
+    xw_ptr,
+    dx_ptr,
+    gq,
+    gs,
+    gd,
+    uq,
+    us,
+    ud,
+    tab32,
+    ids_ptr,
+    out_ptr,
+    n_slots,
+    F,
+    K,
+    clamp,
+    kt_per_split,
+    BN: tl.constexpr,
+    CLAMP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DP4A: tl.constexpr,
+):
+    """Gate and up of one (row, slot) pair on the Q8_K input (xw [B, K/4] int32 words, dx [B, K/256]);
+    outputs as _gate_up_kernel."""
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = e * F + tl.minimum(n, F - 1)
+    nb = K // 256
+    b = (pair // n_slots).to(tl.int64)
+    xo = xw_ptr + b * (K // 4)
+    xg = (tl.arange(0, 8)[:, None] * 4 + tl.arange(0, 4)[None, :]) * 2  # [8, 4] first word of each group
+    lo = pid_s * kt_per_split
+    hi = tl.minimum(lo + kt_per_split, nb)
+    acc_g = tl.zeros([BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN], dtype=tl.float32)
+    for kt in range(lo, hi):
+        xlo = tl.load(xo + kt * 64 + xg)
+        xhi = tl.load(xo + kt * 64 + xg + 1)
+        dx = tl.load(dx_ptr + b * nb + kt)
+        acc_g += _iq2_q8k_block(gq, gs, gd, tab32, wrow, kt, nb, xlo, xhi, dx, DP4A)
+        acc_u += _iq2_q8k_block(uq, us, ud, tab32, wrow, kt, nb, xlo, xhi, dx, DP4A)
+    acc_g = acc_g * 0.125
+    acc_u = acc_u * 0.125
+    if SPLIT:
+        n_pairs = tl.num_programs(1)
+        base = out_ptr + (pid_s.to(tl.int64) * 2 * n_pairs + pair) * F
+        tl.store(base + n, acc_g, mask=n < F)
+        tl.store(base + n_pairs.to(tl.int64) * F + n, acc_u, mask=n < F)
+    else:
+        tl.store(out_ptr + pair.to(tl.int64) * F + n, _swiglu(acc_g, acc_u, clamp, CLAMP), mask=n < F)
+
+
+@triton.jit
+def _q2k_q8k_down_kernel(
+    xw_ptr,
+    dx_ptr,
+    qw,
+    sc,
+    dm,
+    ids_ptr,
+    rw_ptr,
+    out_ptr,
+    D,
+    F,
+    kt_per_split,
+    BN: tl.constexpr,
+    DP4A: tl.constexpr,
+):
+    """Q2_K down projection of one pair on its Q8_K mid row (xw [pairs, F/4] int32 words, dx [pairs, F/256]);
+    output as _down_kernel. Quant word 4c + jj (c = 16-byte group: half c // 2, byte group c % 2) shifted by
+    2t holds elements 128 (c // 2) + 32 t + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2."""
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    rw = tl.load(rw_ptr + pair).to(tl.float32)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = e * D + tl.minimum(n, D - 1)
+    nb = F // 256
+    c = tl.arange(0, 4)
+    t = tl.arange(0, 4)
+    jj = tl.arange(0, 4)
+    xcol = (
+        (c // 2)[:, None, None] * 32 + t[None, :, None] * 8 + (c % 2)[:, None, None] * 4 + jj[None, None, :]
+    )
+    sidx = (c // 2)[:, None] * 8 + 2 * t[None, :] + (c % 2)[:, None]  # [4c, 4t]
+    qidx = c[:, None] * 4 + jj[None, :]  # [4c, 4jj]
+    ones = tl.full([4, 4, 4], 0x01010101, tl.int32)
+    xo = xw_ptr + pair.to(tl.int64) * (F // 4)
+    lo = pid_s * kt_per_split
+    hi = tl.minimum(lo + kt_per_split, nb)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for kt in range(lo, hi):
+        xw = tl.load(xo + kt * 64 + xcol)  # [4c, 4t, 4jj] int32: 4 int8 x each
+        dx = tl.load(dx_ptr + pair.to(tl.int64) * nb + kt)
+        w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
+        q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
+        qx = tl.sum(_dot4(q, xw[None, :, :, :], 0, DP4A), axis=3)  # [BN, 4c, 4t]
+        xs = tl.sum(_dot4(ones, xw, 0, DP4A), axis=2)  # [4c, 4t] sum of 16 x
+        s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
+        isum = tl.sum(tl.sum((s8 & 15) * qx, axis=2), axis=1)  # [BN]
+        msum = tl.sum(tl.sum((s8 >> 4) * xs[None, :, :], axis=2), axis=1)
+        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)
+        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)
+        acc += (d * dx) * isum.to(tl.float32) - (dmin * dx) * msum.to(tl.float32)
+    out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
+    tl.store(out + n, acc * rw, mask=n < D)
+
+
 @functools.cache
 def _iq2_table32(device: torch.device) -> torch.Tensor:
     """The IQ2_XXS grid as [512] int32 (low, high word of each 8-byte row)."""
@@ -289,12 +485,14 @@ def _iq2_table32(device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Decode launch shape: output rows per program, k-splits (programs per row tile), warps."""
+    """Decode launch shape (rows per program, k-splits = programs per row tile, warps) and kernel choice."""
 
     bn: int = 16
     splits: int = 1
     warps: int = 4
     fast: bool = False  # the dedicated IQ2_XXS gate/up and Q2_K down kernels where the format matches
+    int8: bool = False  # the Q8_K integer kernels for IQ2_XXS gate/up and Q2_K down (wins over `fast`)
+    dp4a: bool = True  # int8 kernels on CUDA: PTX dp4a (False: the plain int32 expression, for A/B)
 
 
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
@@ -318,6 +516,31 @@ def _check_ids(ids: torch.Tensor, b: int, device: torch.device, what: str) -> to
     return ids.to(torch.int32).contiguous()
 
 
+def _int8(cfg: MoeConfig, w: PackedWeight, qtype: GGMLType) -> bool:
+    return cfg.int8 and w.qtype == qtype
+
+
+def _dp4a(t: torch.Tensor, cfg: MoeConfig) -> bool:
+    """dp4a is inline PTX: CUDA only, never under the interpreter."""
+    return cfg.dp4a and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def quantize_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] f32|bf16, K a multiple of 256 -> (q int8 [R, K], d f32 [R, K/256]) per 256 values, exactly as
+    ref.quantize_q8k (d = amax / 127, q = RNE(x * 127 / amax)). One launch, no host sync."""
+    if x.ndim != 2 or x.shape[1] % 256:
+        raise ValueError(f"quantize_q8k: x must be [rows, K] with K a multiple of 256, got {tuple(x.shape)}")
+    if not use_triton(x):
+        return ref.quantize_q8k(x)
+    x = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
+    R, K = x.shape
+    q = torch.empty(R, K, dtype=torch.int8, device=x.device)
+    d = torch.empty(R, K // 256, dtype=torch.float32, device=x.device)
+    if R:
+        _q8k_quant_kernel[(R, K // 256)](x, q, d, K, x.stride(0), TINY=ref.Q8K_TINY, num_warps=2)
+    return q, d
+
+
 def moe_gate_up(
     x: torch.Tensor,
     wg: PackedWeight,
@@ -334,19 +557,28 @@ def moe_gate_up(
         raise ValueError(f"moe_gate_up: gate {wg.qtype.name}{wg.shape} != up {wu.qtype.name}{wu.shape}")
     x = prep_x(x, wg.K, "moe_gate_up")
     ids = _check_ids(ids, x.shape[0], x.device, "moe_gate_up")
+    cfg = cfg or GATE_UP
+    int8 = _int8(cfg, wg, GGMLType.IQ2_XXS)
     if not use_triton(x):
-        return ref.moe_gate_up(x, wg, wu, ids, clamp)
+        return (ref.moe_gate_up_q8k if int8 else ref.moe_gate_up)(x, wg, wu, ids, clamp)
     B, k = ids.shape
     F, K = wg.N, wg.K
     out = torch.empty(B, k, F, dtype=torch.float32, device=x.device)
     if B * k == 0:
         return out
-    cfg = cfg or GATE_UP
     tk = tile_k(wg)
     per, splits = _splits(K // tk, cfg.splits)
     part = out if splits == 1 else torch.empty(splits, 2, B * k, F, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(F, cfg.bn), B * k, splits)
-    if wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
+    if int8:
+        xq, dx = quantize_q8k(x)
+        g, u, tab = wg.data, wu.data, _iq2_table32(x.device)
+        _iq2_q8k_gate_up_kernel[grid](
+            xq.view(torch.int32), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ids, part, k,
+            F, K, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1, DP4A=_dp4a(x, cfg),
+            num_warps=cfg.warps,
+        )  # fmt: skip
+    elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
         g, u = wg.data, wu.data
         _iq2_gate_up_kernel[grid](
             x, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], _iq2_table32(x.device), ids, part, k, F, K,
@@ -384,19 +616,27 @@ def moe_down(
         raise ValueError(
             f"moe_down: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [{B}, {k}]"
         )
+    cfg = cfg or DOWN
+    int8 = _int8(cfg, wd, GGMLType.Q2_K)
     if not use_triton(mid):
-        return ref.moe_down(mid, weights, wd, ids)
+        return (ref.moe_down_q8k if int8 else ref.moe_down)(mid, weights, wd, ids)
     D = wd.N
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down")
     if B * k == 0:
         return torch.zeros(B, D, dtype=torch.float32, device=mid.device)
-    cfg = cfg or DOWN
     tk = tile_k(wd)
     per, splits = _splits(F // tk, cfg.splits)
     part = torch.empty(splits, B, k, D, dtype=torch.float32, device=mid.device)
     grid = (triton.cdiv(D, cfg.bn), B * k, splits)
     rw = weights.float().contiguous()
-    if wd.qtype == GGMLType.Q2_K and cfg.fast:
+    if int8:
+        xq, dx = quantize_q8k(mid)
+        w = wd.data
+        _q2k_q8k_down_kernel[grid](
+            xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F, per,
+            BN=cfg.bn, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
+        )  # fmt: skip
+    elif wd.qtype == GGMLType.Q2_K and cfg.fast:
         w = wd.data
         _q2k_down_kernel[grid](
             mid, w["qs"], w["sc"], w["dm"], ids, rw, part, D, F, per, BN=cfg.bn, num_warps=cfg.warps
@@ -424,4 +664,4 @@ def group_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, to
     return order, offsets
 
 
-__all__ = ["DOWN", "GATE_UP", "MoeConfig", "group_by_expert", "moe_down", "moe_gate_up"]
+__all__ = ["DOWN", "GATE_UP", "MoeConfig", "group_by_expert", "moe_down", "moe_gate_up", "quantize_q8k"]
