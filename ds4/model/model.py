@@ -53,6 +53,10 @@ class DS4Model:
         layers = [LayerKV(r, cfg.head_dim, cfg.indexer_dim, ctx) for r in cfg.compress_ratios[: cfg.n_layer]]
         return KVState(ctx, layers)
 
+    def new_states(self, n: int, ctx: int) -> list[KVState]:
+        """n empty states of context ctx (the device model's pool contract; here simply n new_state)."""
+        return [self.new_state(ctx) for _ in range(n)]
+
     @torch.no_grad()  # not inference_mode: state tensors must stay writable by the engine afterwards
     def forward(self, state: KVState, tokens: Sequence[int]) -> torch.Tensor:
         """Feed tokens at positions state.n_tokens.. (mutating state); float32 logits [V] of the last one."""

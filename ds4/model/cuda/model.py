@@ -6,6 +6,10 @@ Legend: T tokens, S HC streams, d = n_embd, V vocabulary.
 step, replayed from a CUDA graph captured once per state (static buffers, position and token in device
 tensors, so a replay needs no host work besides copying the token in). `decode_greedy` chains graph replays
 with the argmax computed on the device (the benchmark's loop: no host sync per token).
+
+Many sessions (issue 8): `new_states(n, ctx)` returns n states viewing one KVPool; `decode_batch(states,
+tokens)` runs one step for all of them at their own positions (ds4.model.cuda.batch), replayed from a CUDA
+graph captured per batch bucket (1, 2, 4, 8, ... rows; the padded rows write the pool's scratch slot).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import torch
 from ds4.config import ModelConfig
 from ds4.model.block import Block, load_layer
 from ds4.model.cuda import fused
+from ds4.model.cuda.batch import decode_layer_batch
 from ds4.model.cuda.layer import decode_layer, lin, prefill_layer, qmatvec
-from ds4.model.cuda.state import DeviceKVState
+from ds4.model.cuda.state import DeviceKVState, KVPool
 from ds4.model.cuda.weights import QLinear, RawSource, WeightStore
 from ds4.model.hc import HCWeights, hc_head
 from ds4.model.norm import rms_norm
@@ -80,6 +85,10 @@ class CudaModel:
         if ctx <= 0:
             raise ValueError(f"context size must be positive, got {ctx}")
         return DeviceKVState(self.cfg, ctx, self.device)
+
+    def new_states(self, n: int, ctx: int) -> list[DeviceKVState]:
+        """n empty states of context ctx, views of ONE preallocated KVPool (for decode_batch)."""
+        return list(KVPool(self.cfg, n, ctx, self.device).states)
 
     def state_from_cpu(self, cpu: KVState) -> DeviceKVState:
         state = self.new_state(cpu.ctx)
@@ -159,6 +168,44 @@ class CudaModel:
         return r
 
     @torch.inference_mode()
+    def decode_batch(self, states: Sequence[DeviceKVState], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step for B sessions of one pool: tokens[b] is fed to states[b] at its own position
+        (each mutated). Returns float32 logits [B, V]. One session runs the single-state graph path."""
+        cfg, B = self.cfg, len(states)
+        if B == 0 or len(tokens) != B:
+            raise ValueError(f"decode_batch needs one token per state: got {len(tokens)} tokens, {B} states")
+        pool = getattr(states[0], "pool", None)
+        if pool is None or any(getattr(s, "pool", None) is not pool for s in states):
+            raise ValueError("decode_batch needs states of one pool (from one model.new_states call)")
+        if len({s.slot for s in states}) != B:
+            raise ValueError("decode_batch got the same state twice (one token per session per step)")
+        for s in states:
+            if s.n_tokens + 1 > s.ctx:
+                raise ValueError(f"context overflow: {s.n_tokens} tokens + 1 new > ctx {s.ctx}")
+        toks = [int(t) for t in tokens]
+        bad = [t for t in toks if not 0 <= t < cfg.n_vocab]
+        if bad:
+            raise ValueError(f"token id out of range [0, {cfg.n_vocab}): got {bad[0]}")
+        if B == 1:  # the single-state graph (no gathers): batch 1 stays as fast as before
+            return self._decode(states[0], toks[0])[None]
+        if pool.runner is None:
+            pool.runner = BatchRunner(self, pool)
+        logits = pool.runner.step([s.slot for s in states], toks, [s.n_tokens for s in states])
+        for s in states:
+            s.n_tokens += 1
+        return logits
+
+    def decode_step_batch(self, pool: KVPool, inputs: torch.Tensor) -> torch.Tensor:
+        """The batched graph body: inputs [3, B] device int64 rows (slot, token, pos) -> logits [B, V]."""
+        slot, token, pos = inputs[0], inputs[1], inputs[2]
+        X = self._embed(token)  # [B, S, d]
+        for blk, kv in zip(self.layers, pool.layers, strict=True):
+            X = decode_layer_batch(
+                self.cfg, blk.il, blk.w, blk.shape, blk.inv_freq, kv, X, token, pos, slot, self.dtype
+            )
+        return self.logits(X)
+
+    @torch.inference_mode()
     def decode_greedy(
         self, state: DeviceKVState, first_token: int, n: int, *, exclude: int | None = None
     ) -> torch.Tensor:
@@ -224,6 +271,71 @@ class DecodeRunner:
         self.token.copy_(tok)
         self.pos.copy_(pos)
         del saved
+
+
+def bucket_of(b: int) -> int:
+    """The graph bucket (rows) of a batch of b sessions: the next power of two."""
+    return 1 << max(0, b - 1).bit_length()
+
+
+class BatchRunner:
+    """Batched decode over one KVPool: per bucket, static inputs (slot, token, pos) [3, Bk] and logits
+    [Bk, V] and (on CUDA) a graph captured on them. Rows past the batch point at the scratch slot."""
+
+    def __init__(self, model: CudaModel, pool: KVPool) -> None:
+        self.model, self.pool = model, pool
+        self.buckets: dict[int, SimpleNamespace] = {}
+
+    def _bucket(self, n: int) -> SimpleNamespace:
+        bk = self.buckets.get(n)
+        if bk is None:
+            dev, V = self.model.device, self.model.cfg.n_vocab
+            bk = SimpleNamespace(
+                inputs=torch.zeros(3, n, dtype=torch.long, device=dev),
+                logits=torch.zeros(n, V, dtype=torch.float32, device=dev),
+                graph=None,
+            )
+            bk.inputs[0].fill_(self.pool.scratch)
+            self.buckets[n] = bk
+        return bk
+
+    def _body(self, bk: SimpleNamespace) -> None:
+        bk.logits.copy_(self.model.decode_step_batch(self.pool, bk.inputs))
+
+    def step(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [B, V] (a copy) of one step; the pool rows of `slots` advance."""
+        B = len(slots)
+        n = bucket_of(B)
+        bk = self._bucket(n)
+        pad = n - B
+        host = torch.tensor(
+            [slots + [self.pool.scratch] * pad, tokens + [0] * pad, positions + [0] * pad], dtype=torch.long
+        )
+        if self.model.graphs and bk.graph is None:
+            self._capture(bk)
+        bk.inputs.copy_(host)
+        if bk.graph is not None:
+            bk.graph.replay()
+        else:
+            self._body(bk)
+        return bk.logits[:B].clone()
+
+    def _capture(self, bk: SimpleNamespace) -> None:
+        """Warm up and capture with every row on the scratch slot: no real session is touched."""
+        m = self.model
+        bk.inputs.zero_()
+        bk.inputs[0].fill_(self.pool.scratch)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body(bk)  # first call: lazy constants, cuBLAS handles, allocator warm-up
+        torch.cuda.current_stream().wait_stream(side)
+        if m._pool is None:
+            m._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=m._pool):
+            self._body(bk)
+        bk.graph = g
 
 
 def _tensors_of(obj) -> list:

@@ -2,6 +2,11 @@
 
 Legend: W = window, D = head_dim, Di = indexer_dim, r = ratio, c = 2 if r == 4 else 1, cap = ctx // r + 2.
 
+Many sessions (issue 8): a KVPool allocates every layer's buffers ONCE with a leading slot dim [N + 1, ...]
+(the last slot is scratch for the padded rows of a batched decode step); each pool state is a DeviceKVState
+whose tensors are VIEWS of one slot, so the single-session code (prefill, decode graph, snapshots, reset,
+copy_from) runs on it unchanged while a batched step (ds4.model.cuda.batch) indexes the pool by slot.
+
 Raw rows live in a ring: position p sits in slot p % W. Compressed rows are append-only buffers whose live
 length is a function of the position ((n_tokens) // r), so a decode step can find everything from the device
 position alone. Frontiers have the CPU layout (ds4.model.state). `to_cpu` / `from_cpu` convert to and from the
@@ -16,25 +21,38 @@ from ds4.model.state import EMPTY_SCORE, KVState, LayerKV
 
 
 class DeviceLayerKV:
-    def __init__(self, ratio: int, window: int, head_dim: int, indexer_dim: int, ctx: int, device) -> None:
+    """One layer's buffers; `lead` prepends dims to every buffer (a KVPool layer: lead = (N + 1,))."""
+
+    def __init__(
+        self, ratio: int, window: int, head_dim: int, indexer_dim: int, ctx: int, device, lead: tuple = ()
+    ) -> None:
         self.ratio, self.window = ratio, window
         f32 = dict(dtype=torch.float32, device=device)
-        self.raw = torch.zeros(window, head_dim, **f32)  # [W, D] ring
+        self.raw = torch.zeros(*lead, window, head_dim, **f32)  # [W, D] ring
         self.comp = self.comp_kv = self.comp_score = None
         self.index = self.index_kv = self.index_score = None
         if ratio:
             c = 2 if ratio == 4 else 1
             cap = ctx // ratio + 2
-            self.comp = torch.zeros(cap, head_dim, **f32)  # [cap, D]
-            self.comp_kv = torch.zeros(c * ratio, c * head_dim, **f32)
-            self.comp_score = torch.full((c * ratio, c * head_dim), EMPTY_SCORE, **f32)
+            self.comp = torch.zeros(*lead, cap, head_dim, **f32)  # [cap, D]
+            self.comp_kv = torch.zeros(*lead, c * ratio, c * head_dim, **f32)
+            self.comp_score = torch.full((*lead, c * ratio, c * head_dim), EMPTY_SCORE, **f32)
         if ratio == 4:
             cap = ctx // ratio + 2
-            self.index = torch.zeros(cap, indexer_dim, **f32)  # [cap, Di]
-            self.index_kv = torch.zeros(2 * ratio, 2 * indexer_dim, **f32)
-            self.index_score = torch.full((2 * ratio, 2 * indexer_dim), EMPTY_SCORE, **f32)
+            self.index = torch.zeros(*lead, cap, indexer_dim, **f32)  # [cap, Di]
+            self.index_kv = torch.zeros(*lead, 2 * ratio, 2 * indexer_dim, **f32)
+            self.index_score = torch.full((*lead, 2 * ratio, 2 * indexer_dim), EMPTY_SCORE, **f32)
 
     _FIELDS = ("raw", "comp", "comp_kv", "comp_score", "index", "index_kv", "index_score")
+
+    def slot(self, i: int) -> DeviceLayerKV:
+        """A layer whose buffers are views of slot i of this (pool) layer's buffers."""
+        out = DeviceLayerKV.__new__(DeviceLayerKV)
+        out.ratio, out.window = self.ratio, self.window
+        for f in self._FIELDS:
+            t = getattr(self, f)
+            setattr(out, f, None if t is None else t[i])
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (getattr(self, f) for f in self._FIELDS) if t is not None]
@@ -47,13 +65,17 @@ class DeviceLayerKV:
 class DeviceKVState:
     """All layers' static buffers plus the host-side token count (the device position mirrors it)."""
 
-    def __init__(self, cfg, ctx: int, device) -> None:
+    def __init__(self, cfg, ctx: int, device, *, layers: list[DeviceLayerKV] | None = None) -> None:
         self.cfg, self.ctx, self.device = cfg, ctx, torch.device(device)
         self.n_tokens = 0
-        ratios = cfg.compress_ratios[: cfg.n_layer]
-        self.layers = [
-            DeviceLayerKV(r, cfg.window, cfg.head_dim, cfg.indexer_dim, ctx, device) for r in ratios
-        ]
+        self.pool: KVPool | None = None  # set for the states of a KVPool (their buffers are slot views)
+        self.slot: int | None = None
+        if layers is None:
+            ratios = cfg.compress_ratios[: cfg.n_layer]
+            layers = [
+                DeviceLayerKV(r, cfg.window, cfg.head_dim, cfg.indexer_dim, ctx, device) for r in ratios
+            ]
+        self.layers = layers
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
@@ -116,3 +138,46 @@ class DeviceKVState:
                 dev.index_kv.copy_(kv.index_kv)
                 dev.index_score.copy_(kv.index_score)
         self.n_tokens = n
+
+
+def session_nbytes(cfg, ctx: int) -> int:
+    """Exact bytes of one DeviceKVState of context ctx (every buffer float32), without allocating it."""
+    D, Di, W = cfg.head_dim, cfg.indexer_dim, cfg.window
+    total = 0
+    for r in cfg.compress_ratios[: cfg.n_layer]:
+        total += W * D
+        if r:
+            c, cap = (2 if r == 4 else 1), ctx // r + 2
+            total += cap * D + 2 * (c * r) * (c * D)
+        if r == 4:
+            total += (ctx // 4 + 2) * Di + 2 * (2 * r) * (2 * Di)
+    return 4 * total
+
+
+class KVPool:
+    """The KV buffers of n_slots sessions of one ctx, allocated once: every layer's tensors have a leading
+    slot dim [n_slots + 1, ...]; slot n_slots is scratch (the padded rows of a batched decode step write
+    there). `states[i]` is a DeviceKVState viewing slot i; views stay valid for the pool's lifetime."""
+
+    def __init__(self, cfg, n_slots: int, ctx: int, device) -> None:
+        if n_slots <= 0:
+            raise ValueError(f"a KV pool needs at least one slot, got {n_slots}")
+        if ctx <= 0:
+            raise ValueError(f"context size must be positive, got {ctx}")
+        self.cfg, self.n_slots, self.ctx, self.device = cfg, n_slots, ctx, torch.device(device)
+        self.scratch = n_slots  # index of the scratch slot
+        ratios = cfg.compress_ratios[: cfg.n_layer]
+        lead = (n_slots + 1,)
+        self.layers = [
+            DeviceLayerKV(r, cfg.window, cfg.head_dim, cfg.indexer_dim, ctx, device, lead) for r in ratios
+        ]
+        self.states: list[DeviceKVState] = []
+        for i in range(n_slots):
+            st = DeviceKVState(cfg, ctx, device, layers=[layer.slot(i) for layer in self.layers])
+            st.pool, st.slot = self, i
+            self.states.append(st)
+        self.runner = None  # the batched decode runner (ds4.model.cuda.model), made on first use
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer, scratch slot included: (n_slots + 1) * session_nbytes(cfg, ctx)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())

@@ -1,0 +1,167 @@
+"""One decode step of B sessions of one KVPool, each at its own position (issue 8), graph-safe.
+
+Legend: B rows of the step (sessions, padded to a bucket), N + 1 pool slots, S HC streams, d = n_embd,
+H heads, D = head_dim, W = window, r = ratio, c = 2 if r == 4 else 1, h = compressed row width, cap =
+compressed-row capacity, k = indexer top-k (or cap when every row fits), Hi/Di indexer heads/dim.
+
+Same math as the single-session decode (ds4.model.cuda.layer: attention_decode, _compress_step,
+decode_layer), row by row: row b reads and writes only pool slot slot[b] at position pos[b] (its raw ring,
+compressor frontiers, compressed rows, its own indexer top-k and visibility). Pool writes go through
+flattened index_copy_ / torch.where on device tensors: no host sync and no data-dependent shape, so a CUDA
+graph can capture a step. Padded rows point at the pool's scratch slot (duplicate writes there are harmless).
+The per-token work (projections, HC, router, MoE, head) is batched over the B rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4.model.attention import AttentionShape, CompressorWeights
+from ds4.model.block import LayerWeights
+from ds4.model.cuda import fused
+from ds4.model.cuda.experts import routed_decode, swiglu_mid
+from ds4.model.cuda.layer import DECODE_ROWS, _top_rows, grouped_output, lin, qmatvec_grouped, route_decode
+from ds4.model.cuda.state import DeviceLayerKV
+from ds4.model.cuda.weights import Packed, QLinear
+from ds4.model.norm import rms_norm
+from ds4.model.quantsim import indexer_qat
+from ds4.model.state import EMPTY_SCORE
+
+
+def _pool_rows(cand_kv, cand_score, norm, start, inv_freq, eps: float, n_rot: int, indexer: bool):
+    """Softmax-pool each row's window candidates [B, n, h] -> finished rows [B, h]."""
+    pooled = (cand_kv * cand_score.softmax(dim=1)).sum(1)  # [B, h]
+    row = fused.rope_real(rms_norm(pooled, norm, eps), start, inv_freq)
+    return indexer_qat(row) if indexer else fused._fp8_nope(row, n_rot)
+
+
+def _compress_step(
+    w: CompressorWeights, xn, pos, slot, ratio, fk_pool, fs_pool, rows_pool, inv_freq, eps, n_rot, indexer
+) -> None:
+    """Advance each row's frontier (pool slot slot[b]) by its token; write the rows of completed windows.
+
+    fk_pool/fs_pool [N+1, c r, c h], rows_pool [N+1, cap, h]; xn [B, d], pos/slot [B]."""
+    r, overlap = ratio, ratio == 4
+    h = w.norm.numel()
+    fk, fs = fk_pool.index_select(0, slot), fs_pool.index_select(0, slot)  # [B, c r, c h] copies
+    at = (r if overlap else 0) + pos % r  # [B] frontier row of this token
+    hit = (torch.arange(fk.shape[1], device=pos.device)[None, :] == at[:, None])[..., None]  # [B, c r, 1]
+    fk = torch.where(hit, lin(xn, w.kv)[:, None, :], fk)
+    fs = torch.where(hit, (lin(xn, w.gate) + w.ape.index_select(0, pos % r))[:, None, :], fs)
+    if overlap:  # candidates: previous window's first half + this window's second half
+        cand_kv = torch.cat([fk[:, :r, :h], fk[:, r:, h:]], dim=1)  # [B, 2r, h]
+        cand_score = torch.cat([fs[:, :r, :h], fs[:, r:, h:]], dim=1)
+    else:
+        cand_kv, cand_score = fk, fs
+    row = _pool_rows(cand_kv, cand_score, w.norm, pos - (r - 1), inv_freq, eps, n_rot, indexer)  # [B, h]
+    done = (pos % r == r - 1)[:, None, None]  # [B, 1, 1] this token completes a window
+    cap = rows_pool.shape[1]
+    flat = rows_pool.view(-1, h)  # [(N+1) cap, h]
+    idx = slot * cap + torch.clamp(pos // r, max=cap - 1)  # [B]
+    flat.index_copy_(0, idx, torch.where(done[:, 0], row, flat.index_select(0, idx)))
+    if overlap:  # current window becomes the previous one; the current one empties
+        fk = torch.cat([torch.where(done, fk[:, r:], fk[:, :r]), torch.where(done, 0.0, fk[:, r:])], dim=1)
+        fs = torch.cat(
+            [torch.where(done, fs[:, r:], fs[:, :r]), torch.where(done, EMPTY_SCORE, fs[:, r:])], dim=1
+        )
+    else:
+        fk = torch.where(done, 0.0, fk)
+        fs = torch.where(done, EMPTY_SCORE, fs)
+    fk_pool.index_copy_(0, slot, fk)
+    fs_pool.index_copy_(0, slot, fs)
+
+
+def _attend(q, keys, valid, sinks, scale: float, pos, inv_freq):
+    """q [B, H, D] over each row's keys [B, n, D] (valid [B, n]) with sinks -> de-rotated o [B, H, D]."""
+    B, H, _ = q.shape
+    s = torch.bmm(q, keys.transpose(1, 2)) * scale  # [B, H, n]
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    s = torch.cat([s, sinks[None, :, None].expand(B, H, 1)], dim=2)
+    o = torch.bmm(s.softmax(-1)[..., :-1], keys)
+    return fused.rope_real(o, pos, inv_freq, inverse=True)
+
+
+def _gather_rows(rows_pool, slot, idx):
+    """rows_pool [N+1, cap, h], idx [B, k] -> rows [B, k, h] of each row's own slot."""
+    cap, h = rows_pool.shape[1:]
+    flat = (slot[:, None] * cap + idx).reshape(-1)
+    return rows_pool.view(-1, h).index_select(0, flat).view(idx.shape[0], idx.shape[1], h)
+
+
+def attention_decode_batch(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, slot, inv_freq):
+    """xn [B, d] at positions pos [B] of pool slots slot [B] -> [B, d]; appends to the pool layer kv."""
+    R, eps, W, r = shape.n_rot, shape.rms_eps, shape.window, shape.ratio
+    D = shape.head_dim
+    qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)
+    q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, D)), pos, inv_freq, eps)  # [B, H, D]
+    row = fused.kv_post(lin(xn, w.kv), w.kv_norm, pos, inv_freq, eps, R)  # [B, D]
+    kv.raw.view(-1, D).index_copy_(0, slot * W + pos % W, row)
+    ar = torch.arange(W, device=pos.device)
+    slot_pos = pos[:, None] - torch.remainder(pos[:, None] - ar[None, :], W)  # [B, W] position per ring slot
+    keys, valid = [kv.raw.index_select(0, slot)], [slot_pos >= 0]
+    if r:
+        _compress_step(
+            w.compressor, xn, pos, slot, r, kv.comp_kv, kv.comp_score, kv.comp, inv_freq, eps, R, False
+        )
+        cap = kv.comp.shape[1]
+        rows_valid = torch.arange(cap, device=pos.device)[None, :] < ((pos + 1) // r)[:, None]  # [B, cap]
+        if w.indexer is not None:  # keep the indexer rows current (used once more than top-k rows exist)
+            ic = w.indexer.compressor
+            _compress_step(
+                ic, xn, pos, slot, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True
+            )
+        if w.indexer is not None and cap > shape.indexer_topk:
+            iw = w.indexer
+            n_heads, dim = iw.proj.shape[0], iw.compressor.norm.numel()
+            qi = indexer_qat(fused.rope_real(lin(qn, iw.q_b).unflatten(-1, (n_heads, dim)), pos, inv_freq))
+            wts = lin(xn, iw.proj) * (dim**-0.5 * n_heads**-0.5)  # [B, Hi]
+            rows = kv.index.index_select(0, slot)  # [B, cap, Di]
+            score = (torch.bmm(qi, rows.transpose(1, 2)).relu() * wts[:, :, None]).sum(1)  # [B, cap]
+            top = _top_rows(score.masked_fill(~rows_valid, float("-inf")), shape.indexer_topk)  # [B, k]
+            keys.append(_gather_rows(kv.comp, slot, top))
+            valid.append(rows_valid.gather(1, top))
+        else:
+            keys.append(kv.comp.index_select(0, slot))  # [B, cap, D]
+            valid.append(rows_valid)
+    o = _attend(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), w.sinks, D**-0.5, pos, inv_freq)
+    return _grouped_output(o, w.out_a, w.out_b, shape.o_groups)
+
+
+def _grouped_output(o, out_a, out_b, groups: int):
+    """grouped_output for B rows: the grouped packed matvec for decode-sized B, else the dense path."""
+    B = o.shape[0]
+    if isinstance(out_a, QLinear) and B <= DECODE_ROWS:
+        pa = out_a.packed
+        low = qmatvec_grouped(o.reshape(B, groups, -1), pa.view(groups, pa.N // groups, pa.K))  # [B, G, Ro]
+        return lin(low.reshape(B, -1), out_b)
+    return grouped_output(o, out_a, out_b, groups)
+
+
+def _routed(xf, ids, weights, m, clamp):
+    """Routed experts of B rows: the gathered-expert kernels take [B] rows; the torch Packed path is one row
+    at a time (CPU / no kernels)."""
+    if not isinstance(m.gate_exps, Packed):
+        return routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
+    rows = [
+        routed_decode(
+            xf[b : b + 1], ids[b : b + 1], weights[b : b + 1], m.gate_exps, m.up_exps, m.down_exps, clamp
+        )
+        for b in range(xf.shape[0])
+    ]
+    return torch.cat(rows)
+
+
+def decode_layer_batch(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, tokens, pos, slot, dtype):
+    """X [B, S, d] -> [B, S, d] for B tokens (tokens/pos/slot [B] device tensors) over pool layer kv."""
+    hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
+    h = w.hc_attn
+    xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)
+    X = fused.hc_post(attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq), X, post, comb)
+    h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
+    xf, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
+    weights, ids = route_decode(
+        m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm
+    )
+    y = _routed(xf, ids, weights, m, clamp)
+    y = y + lin(swiglu_mid(lin(xf, m.gate_sh), lin(xf, m.up_sh), clamp), m.down_sh)
+    return fused.hc_post(y, X, post, comb)

@@ -1,0 +1,187 @@
+"""CudaModel.decode_batch (issue 8) on the CPU device: B sessions of one KV pool decoded together equal each
+session decoded alone through the single-state path (forward(state, [tok])), state buffers included.
+
+Sessions sit at different positions so one step mixes: a raw-window wrap, ratio-4 window completions, the
+indexer selecting its top-k (more than top-k rows visible), a ratio-128 (synthetic) / ratio-32 (official)
+row completion. The oracle is the single-session device path, checked elsewhere against the official logits
+and the CPU reference (tests/test_cuda_backend.py); the batched path is separate code (ds4.model.cuda.batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import OFFICIAL_TINY
+
+from ds4.config import FLASH, TINY
+from ds4.gguf import open_model
+from ds4.model.cuda import CudaModel, gguf_source
+from ds4.model.cuda.state import DeviceKVState, KVPool, session_nbytes
+
+LOGIT_TOL = 1e-4  # float32 both ways: only the GEMM row blocking differs
+STATE_TOL = 5e-5  # frontier scores reach ~|10|: a few float32 ulps
+
+
+def _model(path, **kw) -> CudaModel:
+    torch.set_num_threads(1)
+    mf = open_model(path)
+    return CudaModel(mf.config, gguf_source(mf), has=mf.has, device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> CudaModel:
+    from ds4.tools.make_model import ensure_tiny_model
+
+    return _model(ensure_tiny_model())
+
+
+def _buffers(state: DeviceKVState) -> list[torch.Tensor]:
+    return [t.clone() for layer in state.layers for t in layer.tensors()]
+
+
+def _assert_states_close(a: DeviceKVState, b: DeviceKVState) -> None:
+    assert a.n_tokens == b.n_tokens
+    for x, y in zip(_buffers(a), _buffers(b), strict=True):
+        torch.testing.assert_close(x, y, atol=STATE_TOL, rtol=1e-5)
+
+
+def _check_batch_equals_alone(model: CudaModel, lengths: list[int], steps: int, seed: int) -> None:
+    """Pool of len(lengths) + 1 sessions; the last one (a short prompt) idles: its buffers must not move."""
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(seed)
+    ctx = max(lengths) + steps + 2
+    pool = model.new_states(len(lengths) + 1, ctx)
+    live, idle = pool[:-1], pool[-1]
+    model.forward(idle, [5, 6, 7])
+    idle_before = _buffers(idle)
+    logits = []
+    for st, n in zip(live, lengths, strict=True):
+        logits.append(model.forward(st, torch.randint(0, cfg.n_vocab, (n,), generator=gen).tolist()))
+    alone = [st.clone() for st in live]  # independent states (own buffers) with the same history
+    assert all(a.pool is None for a in alone)
+    toks = [int(lg.argmax()) for lg in logits]
+    worst = 0.0
+    for _ in range(steps):
+        got = model.decode_batch(live, toks)  # [B, V]
+        want = torch.stack([model.forward(a, [t]) for a, t in zip(alone, toks, strict=True)])
+        assert got.shape == (len(lengths), cfg.n_vocab)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        worst = max(worst, float((got - want).abs().max()))
+        toks = want.argmax(-1).tolist()
+    print(f"decode_batch vs alone, B={len(lengths)}: max |dlogit| {worst:.2e}")
+    assert worst <= LOGIT_TOL
+    for a, b in zip(alone, live, strict=True):
+        _assert_states_close(a, b)
+    assert idle.n_tokens == 3
+    for x, y in zip(idle_before, _buffers(idle), strict=True):
+        assert torch.equal(x, y), "a batched step wrote into an idle slot"
+
+
+def test_tiny_synthetic_batch_equals_alone(tiny_model):
+    c = tiny_model.cfg  # window 32, ratios 4 / 128, indexer top-k 8
+    assert (c.window, c.indexer_topk) == (32, 8) and 128 in c.compress_ratios
+    # 3 live (+1 idle) rows -> bucket 4: no padding; window wrap at 32, indexer selecting (>8 rows at 45),
+    # a ratio-128 row completed at position 127
+    _check_batch_equals_alone(tiny_model, [30, 45, 124], steps=4, seed=1)
+
+
+def test_official_tiny_batch_equals_alone(official_gguf):
+    model = _model(official_gguf)  # window 16, ratios 4 / 32, indexer top-k 8
+    # 4 live rows (+1 idle) -> bucket 4; 2 live -> bucket 2 below; a 1-token session; ratio-32 rows at 31, 63
+    _check_batch_equals_alone(model, [1, 14, 29, 60], steps=5, seed=2)
+
+
+def test_padded_rows_hit_only_the_scratch_slot(tiny_model):
+    """3 sessions -> bucket 4: the padded row runs on the scratch slot; the other slots do not move."""
+    m = tiny_model
+    pool = m.new_states(5, 48)
+    for i, st in enumerate(pool):
+        m.forward(st, [10 + i, 20 + i, 30 + i])
+    before = [_buffers(st) for st in pool]
+    scratch = [t.clone() for layer in pool[0].pool.layers for t in layer.tensors()]
+    m.decode_batch([pool[3], pool[0], pool[4]], [1, 2, 3])
+    assert pool[0].pool.runner.buckets.keys() == {4}
+    for i in (1, 2):
+        assert all(torch.equal(x, y) for x, y in zip(before[i], _buffers(pool[i]), strict=True))
+    for i in (0, 3, 4):
+        assert not all(torch.equal(x, y) for x, y in zip(before[i], _buffers(pool[i]), strict=True))
+    after = [t for layer in pool[0].pool.layers for t in layer.tensors()]
+    assert any(not torch.equal(x[-1], y[-1]) for x, y in zip(scratch, after, strict=True))  # pad row ran
+
+
+def test_reset_restore_copy_in_place_stay_consistent(tiny_model):
+    """Pool states reset, copied (copy_from) and restored (to_cpu / load_cpu) in place keep decoding in the
+    batch exactly like fresh single states with the same history."""
+    m = tiny_model
+    a, b, c = m.new_states(3, 64)
+    m.forward(a, list(range(100, 140)))
+    m.forward(b, list(range(200, 210)))
+    m.decode_batch([a, b], [1, 2])
+    ptrs = [t.data_ptr() for layer in b.layers for t in layer.tensors()]
+    b.reset()
+    assert b.n_tokens == 0
+    m.forward(b, list(range(300, 320)))
+    c.copy_from(a)  # the bench's trick: one prefill, many sessions
+    a.load_cpu(a.to_cpu())  # snapshot round trip in place
+    assert [t.data_ptr() for layer in b.layers for t in layer.tensors()] == ptrs
+    ref_b = m.new_state(64)
+    m.forward(ref_b, list(range(300, 320)))
+    ref_a = m.new_state(64)
+    m.forward(ref_a, list(range(100, 140)))
+    m.forward(ref_a, [1])
+    for tok in (7, 8):
+        got = m.decode_batch([a, b, c], [tok, tok, tok])
+        wa, wb = m.forward(ref_a, [tok]), m.forward(ref_b, [tok])
+        torch.testing.assert_close(got[0], wa, atol=LOGIT_TOL, rtol=0)
+        torch.testing.assert_close(got[1], wb, atol=LOGIT_TOL, rtol=0)
+        torch.testing.assert_close(got[2], got[0], atol=0, rtol=0)  # c is a's twin
+    _assert_states_close(ref_a, a)
+    _assert_states_close(ref_b, b)
+
+
+def test_decode_batch_rejects_bad_input(tiny_model):
+    m = tiny_model
+    a, b = m.new_states(2, 4)
+    (other,) = m.new_states(1, 4)
+    with pytest.raises(ValueError, match="one token per state"):
+        m.decode_batch([a, b], [1])
+    with pytest.raises(ValueError, match="same state twice"):
+        m.decode_batch([a, a], [1, 2])
+    with pytest.raises(ValueError, match="one pool"):
+        m.decode_batch([a, other], [1, 2])
+    with pytest.raises(ValueError, match="one pool"):
+        m.decode_batch([a, m.new_state(4)], [1, 2])
+    with pytest.raises(ValueError, match="out of range"):
+        m.decode_batch([a, b], [1, m.cfg.n_vocab])
+    m.forward(a, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="context overflow"):
+        m.decode_batch([a, b], [1, 2])
+    assert (a.n_tokens, b.n_tokens) == (4, 0)
+
+
+@pytest.mark.parametrize("cfg", [TINY, replace(FLASH, n_layer=8, compress_ratios=FLASH.compress_ratios[:8])])
+@pytest.mark.parametrize("ctx", [64, 8192])
+def test_session_nbytes_is_exact(cfg, ctx):
+    one = DeviceKVState(cfg, ctx, "meta").nbytes()
+    assert session_nbytes(cfg, ctx) == one
+    assert KVPool(cfg, 3, ctx, "meta").nbytes() == 4 * one  # 3 slots + scratch
+
+
+def test_pool_states_are_views_of_one_allocation(tiny_model):
+    states = tiny_model.new_states(3, 32)
+    pool = states[0].pool
+    assert [s.slot for s in states] == [0, 1, 2] and all(s.pool is pool for s in states)
+    raw = pool.layers[0].raw
+    assert raw.shape[0] == 4
+    assert states[2].layers[0].raw.data_ptr() == raw[2].data_ptr()
+
+
+@pytest.mark.skipif(not (OFFICIAL_TINY / "model.gguf.xz").exists(), reason="no official fixture")
+def test_cpu_model_new_states(official_gguf):
+    from _gguf_model import load_model
+
+    model = load_model(official_gguf)
+    states = model.new_states(3, 16)
+    assert len(states) == 3 and len({id(s) for s in states}) == 3 and all(s.ctx == 16 for s in states)
