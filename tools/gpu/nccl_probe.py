@@ -33,11 +33,14 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     n = dist.get_world_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"init done: world {n}", flush=True)
     for rows in (1, 8, 32):
         x = torch.full((rows, 4096), float(rank + 1), device="cuda")
         dist.all_reduce(x)
         assert torch.all(x == n * (n + 1) / 2), "all_reduce gave a wrong sum"
         eager = timed(lambda x=x: dist.all_reduce(x))
+        say(f"rows {rows}: sum right, eager {eager:.1f} us; capturing", flush=True)
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
