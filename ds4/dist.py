@@ -133,10 +133,6 @@ def _recv() -> Any:
     return box[0]
 
 
-def _is_exit(obj: Any) -> bool:
-    return isinstance(obj, tuple) and len(obj) > 0 and obj[0] == "exit"
-
-
 _exit_sent = False
 
 
@@ -160,7 +156,7 @@ def leader_message(obj: Any = None) -> Any:
         _send(("msg", obj))
         return obj
     got = _recv()
-    if _is_exit(got):
+    if got[0] != "msg":  # rank 0 finished without loading anything (e.g. --inspect), or shut down
         _exit_follower()
     return got[1]
 
@@ -293,7 +289,7 @@ class Leader:
     def __init__(self, model: Any) -> None:
         object.__setattr__(self, "_ex", Executor(model))
         object.__setattr__(self, "_frees", [])
-        object.__setattr__(self, "_refs", {})  # sid -> weakref of its StateRef
+        object.__setattr__(self, "_ended", False)
 
     @property
     def inner(self) -> Any:
@@ -302,8 +298,8 @@ class Leader:
     def _op(self, kind: str, *args: Any) -> Any:
         frees, self._frees[:] = list(self._frees), []
         op = (kind, frees, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), *args)
-        if _exit_sent:
-            raise DistError("the process group was shut down: the followers no longer run this model")
+        if _exit_sent or self._ended:
+            raise DistError("the followers no longer run this model (ended or shut down)")
         _send(op)
         return self._wrap(self._ex.run(op))
 
@@ -334,7 +330,14 @@ class Leader:
     def __setattr__(self, name: str, value: Any) -> None:
         self._op("set", name, _encode(value))
 
+    def end(self) -> None:
+        """Stop mirroring: the followers' follow() returns (the process group stays up)."""
+        if not self._ended and not _exit_sent:
+            _send(("end",))
+        object.__setattr__(self, "_ended", True)
+
     def close(self) -> None:
+        """The end of the run: followers exit, the process group is left."""
         shutdown()
 
 
@@ -395,13 +398,14 @@ class StateRef:
 # ---------------------------------------------------------------------------------------------
 
 
-def follow(model: Any) -> None:
-    """Ranks > 0: execute rank 0's op records on `model` until it sends "exit"."""
+def follow(model: Any) -> str:
+    """Ranks > 0: execute rank 0's op records on `model` until its Leader ends ("end") or rank 0 shuts
+    down ("exit"); returns which."""
     ex = Executor(model)
     while True:
         op = _recv()
-        if _is_exit(op):
-            return
+        if op[0] in ("end", "exit"):
+            return op[0]
         if op[0] == "msg":
             continue
         try:
@@ -419,7 +423,9 @@ def wrap_or_follow(model: Any) -> Any:
     if rank() == 0:
         _leader = Leader(model)
         return _leader
-    follow(model)
+    if follow(model) == "end":
+        while _recv()[0] != "exit":  # rank 0 goes on without this model: wait for its shutdown
+            pass
     _exit_follower()
 
 

@@ -217,12 +217,15 @@ def tensor_bytes(
     chunks that overlap them; the bytes equal the same slice of the whole tensor.
     """
     shape = pt.spec.shape
+    rb = row_nbytes(pt.qtype, shape[-1])
+    if len(shape) == 1:  # a vector: one chunk of bytes
+        if rows is not None:
+            raise ValueError(f"{pt.name}: rows= needs a tensor of 2+ dims, got shape {shape}")
+        return generate_chunk(pt.spec, pt.qtype, cfg, 0, seed=seed, device=gen_device or device).to(device)
     lo, hi = (0, shape[0]) if rows is None else rows
     if not 0 <= lo < hi <= shape[0]:
         raise ValueError(f"{pt.name}: rows {rows} outside [0, {shape[0]})")
-    out = torch.empty(
-        (hi - lo, *shape[1:-1], row_nbytes(pt.qtype, shape[-1])), dtype=torch.uint8, device=device
-    )
+    out = torch.empty((hi - lo, *shape[1:-1], rb), dtype=torch.uint8, device=device)
     slabs = chunk_slabs(shape)
     for i in range(lo // slabs, -(-hi // slabs)):
         chunk = generate_chunk(pt.spec, pt.qtype, cfg, i, seed=seed, device=gen_device or device)
