@@ -185,3 +185,55 @@ def test_cpu_model_new_states(official_gguf):
     model = load_model(official_gguf)
     states = model.new_states(3, 16)
     assert len(states) == 3 and len({id(s) for s in states}) == 3 and all(s.ctx == 16 for s in states)
+
+
+def test_scheduler_drives_the_device_model(tiny_model):
+    """ds4.engine.Scheduler over ModelBackend(CudaModel, slots=N): concurrent greedy streams equal each
+    stream alone; snapshot/restore and reset work in place on the pool sessions."""
+    from ds4.engine.batch_backend import ModelBackend
+    from ds4.engine.scheduler import Finished, Request, Scheduler, Started
+
+    m, steps = tiny_model, 3
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 34, 9]
+    prompts = [torch.randint(0, m.cfg.n_vocab, (n,), generator=gen).tolist() for n in lengths]
+    ctx = max(lengths) + steps + 2
+    want = []
+    for p in prompts:
+        st, out = m.new_state(ctx), []
+        lg = m.forward(st, p)
+        for _ in range(steps):
+            out.append(int(lg.argmax()))
+            lg = m.forward(st, [out[-1]])
+        want.append(out)
+
+    events: list = []
+    backend = ModelBackend(m, ctx, slots=4)
+    sched = Scheduler(
+        backend,
+        sampler=lambda req, lg: int(lg.argmax()),
+        on_event=events.append,
+        slots=3,
+        prefill_budget=32,
+        ctx=ctx,
+    )
+    for i, p in enumerate(prompts):
+        sched.submit(Request(f"r{i}", p, max_tokens=steps))
+    sched.run()
+    fin = {e.request_id: e for e in events if isinstance(e, Finished)}
+    assert [list(fin[f"r{i}"].tokens) for i in range(3)] == want
+    assert len({id(s.session.state.pool) for s in sched.slots}) == 1  # one pool
+
+    slot = next(e.slot for e in events if isinstance(e, Started) and e.request_id == "r1")
+    s2 = sched.slots[slot].session
+    other = backend.new_session()  # the 4th preallocated session
+    with pytest.raises(ValueError, match="in use"):
+        backend.new_session()
+    ptrs = [t.data_ptr() for t in other.state.layers[2].tensors()]
+    backend.restore(other, backend.snapshot(s2))
+    assert other.tokens == s2.tokens and other.state.n_tokens == s2.state.n_tokens
+    a, b = backend.decode_batch([s2, other], [3, 3])
+    assert float((a - b).abs().max()) == 0.0
+    backend.reset(other)
+    assert other.state.n_tokens == 0 and other.tokens == []
+    assert [t.data_ptr() for t in other.state.layers[2].tensors()] == ptrs
