@@ -8,14 +8,19 @@ Flash widths. Tolerances (max abs error / max |reference|): f32 paths 1e-5; bf16
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import matmul, matvec, moe, ref
+from ds4.kernels.moe import _dot4, _sign_bytes
 from ds4.kernels.packing import pack
 from ds4.model.moe import swiglu
 from ds4.quant import GGMLType, dequantize, random_blocks
+from ds4.quant.tables import IQ2XXS_GRID
 
 QUANT = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS]
 TYPES = [*QUANT, GGMLType.F16]
@@ -216,3 +221,272 @@ def test_decode_ops_capture_in_cuda_graph():
 def _first(w):
     """Expert 0 of a 1-expert stack as a 2-D PackedWeight."""
     return w.view(*w.shape[1:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Q8_K integer path (MoeConfig.int8): the twin against an independent numpy integer implementation (exact
+# integer block sums) and against dequantize-then-f64 dots (a hard bound on the Q8_K error); the packed-word
+# arithmetic exhaustively; the kernels (plain-int32 variant in the interpreter, dp4a on the GPU) vs the twin.
+#
+# Tolerances. Q8_K rounds x_i to q_i d with |x_i - q_i d| <= d / 2 (d = amax / 127 of x_i's 256-block), so
+# |y_q8k - y_exact| <= sum_i |w_i| d_blk(i) / 2 exactly, plus f32 rounding (1e-6 of sum |w_i x_i|, 1e-6 of
+# the separate scale and min terms for Q2_K). In norm terms that is ~ amax / (127 sqrt(12) std) ~ 0.7 % for
+# Gaussian x, so int8 kernels vs the f32 reference: max |diff| / max |ref| < 3e-2 (SwiGLU included); int8
+# kernels vs the twin (same integers, f32 scaling in another summation order): F32_TOL.
+
+INT8_TOL = 3e-2
+_KSIGNS_NP = np.array([i | ((bin(i).count("1") & 1) << 7) for i in range(128)], dtype=np.int64)  # model.md §3
+_GRID_NP = np.array(IQ2XXS_GRID, dtype=np.uint64).view(np.uint8).reshape(256, 8).astype(np.int64)
+
+
+def _np_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy Q8_K of one row x [K] f32: (q int64 [K], d f32 [nb]); np.rint is half to even."""
+    xb = x.astype(np.float32).reshape(-1, 256)
+    amax = np.abs(xb).max(1)
+    big = amax >= np.float32(1e-30)
+    d = np.where(big, amax / np.float32(127), np.float32(0)).astype(np.float32)
+    iscale = np.where(big, np.float32(127) / np.where(big, amax, np.float32(1)), np.float32(0))
+    q = np.clip(np.rint(xb * iscale.astype(np.float32)[:, None]), -127, 127)
+    return q.astype(np.int64).reshape(-1), d
+
+
+def _np_f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float64)
+
+
+def _np_int_dot(raw: np.ndarray, qtype, q: np.ndarray, dx: np.ndarray):
+    """Raw ggml rows [N, row bytes] . Q8_K row -> (block ints {name: [N, nb]}, y [N] f64, |terms| [N] f64)."""
+    N = raw.shape[0]
+    if qtype == GGMLType.IQ2_XXS:
+        blk = raw.reshape(N, -1, 66)
+        nb = blk.shape[1]
+        d = _np_f16(blk[..., 0:2])  # [N, nb]
+        sub = blk[..., 2:].reshape(N, nb, 8, 8)
+        a1 = np.ascontiguousarray(sub[..., 4:8]).view("<u4")[..., 0].astype(np.int64)  # [N, nb, 8]
+        sidx = (a1[..., None] >> (7 * np.arange(4))) & 127  # [N, nb, 8, 4]
+        neg = (_KSIGNS_NP[sidx][..., None] >> np.arange(8)) & 1
+        v = _GRID_NP[sub[..., 0:4].astype(np.int64)] * (1 - 2 * neg)  # [N, nb, 8, 4, 8]
+        isum = (v.reshape(N, nb, 8, 32) * q.reshape(nb, 8, 32)).sum(-1)
+        S = ((2 * (a1 >> 28) + 1) * isum).sum(-1)  # [N, nb]
+        y = (d * dx * S).sum(-1) * 0.125
+        absum = (np.abs(v.reshape(N, nb, 8, 32)) * np.abs(q.reshape(nb, 8, 32))).sum(-1)
+        terms = (d * dx * ((2 * (a1 >> 28) + 1) * absum).sum(-1)).sum(-1) * 0.125
+        return {"S": S}, y, terms
+    blk = raw.reshape(N, -1, 84)
+    nb = blk.shape[1]
+    sc, qs = blk[..., 0:16].astype(np.int64), blk[..., 16:80].astype(np.int64)
+    d, dmin = _np_f16(blk[..., 80:82]), _np_f16(blk[..., 82:84])
+    groups = []  # model.md §3 output order: half, shift, then bytes 0-15 / 16-31 of the half
+    for h in range(2):
+        for s in (0, 2, 4, 6):
+            for part in range(2):
+                groups.append((qs[..., 32 * h + 16 * part : 32 * h + 16 * part + 16] >> s) & 3)
+    v = np.stack(groups, axis=2)  # [N, nb, 16, 16]
+    qg = q.reshape(nb, 16, 16)
+    isum, xs = (v * qg).sum(-1), qg.sum(-1)  # [N, nb, 16], [nb, 16]
+    i_sum, m_sum = ((sc & 15) * isum).sum(-1), ((sc >> 4) * xs).sum(-1)
+    y = (d * dx * i_sum - dmin * dx * m_sum).sum(-1)
+    terms = (d * dx * np.abs(i_sum) + np.abs(dmin) * dx * ((sc >> 4) * np.abs(qg).sum(-1)).sum(-1)).sum(-1)
+    return {"I": i_sum, "M": m_sum}, y, terms
+
+
+def _test_row(K: int, seed: int) -> torch.Tensor:
+    """[2, K] f32: Gaussian rows with an all-zero block, a huge outlier and exact .5 ties after scaling."""
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(seed))
+    x[0, 256:512] = 0.0
+    x[1, 0] = 50.0  # amax 50: the block's scale
+    x[1, 1:5] = torch.tensor([50 * 0.5 / 127, 50 * 1.5 / 127, -50 * 2.5 / 127, 50 * 63.5 / 127])  # near ties
+    return x
+
+
+def test_quantize_q8k_matches_numpy_and_kernel():
+    x = _test_row(1024, 30)
+    q, d = ref.quantize_q8k(x)
+    for r in range(2):
+        qn, dn = _np_quant(x[r].numpy())
+        assert np.array_equal(q[r].numpy(), qn) and np.array_equal(d[r].numpy(), dn)
+    assert d[0, 1] == 0 and not q[0, 256:512].any()
+    assert int(q[1, 0]) == 127 and q.abs().max() <= 127
+    qk, dk = moe.quantize_q8k(x.to(DEVICE))  # Triton (interpreter / GPU): bit-identical
+    assert torch.equal(qk.cpu(), q) and torch.equal(dk.cpu(), d)
+    qb, db = moe.quantize_q8k(x.to(DEVICE).bfloat16())
+    qr, dr = ref.quantize_q8k(x.bfloat16())
+    assert torch.equal(qb.cpu(), qr) and torch.equal(db.cpu(), dr)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K], ids=lambda t: t.name)
+def test_q8k_twin_vs_numpy_and_dequant(qtype):
+    N, K = 12, 1024
+    raw = random_blocks(qtype, (N, K), std=0.05, generator=torch.Generator().manual_seed(31))
+    w = pack(raw, qtype, (N, K))
+    x = _test_row(K, 32)
+    got = ref.qmatvec_q8k(x, w)  # [2, N]
+    dense = dequantize(raw, qtype, (N, K)).double()  # exact f32 values
+    wi = ref.q8k_weight_ints(w)
+    q, dx = ref.quantize_q8k(x)
+    for r in range(2):
+        qn, dn = _np_quant(x[r].numpy())
+        ints, y_np, terms = _np_int_dot(raw.numpy(), qtype, qn, dn.astype(np.float64))
+        twin = ref.q8k_block_ints(wi, q[r])
+        for name, val in ints.items():
+            assert np.array_equal(twin[name].numpy(), val), name  # exact integers
+        tol = 1e-6 * terms + 1e-30
+        assert np.all(np.abs(got[r].double().numpy() - y_np) <= tol)  # f32 scaling of the same ints
+        # against the exact dot of the dequantized weights: the Q8_K rounding bound (module comment)
+        exact = dense @ x[r].double()
+        bound = (dense.abs().reshape(N, -1, 256).sum(-1) * torch.from_numpy(dn).double()).sum(-1) * 0.5
+        diff = (got[r].double() - exact).abs()
+        assert torch.all(diff <= bound * (1 + 1e-4) + torch.from_numpy(tol)), (diff, bound)
+        assert diff.max() > 0  # the test can see quantization
+
+
+def _sign_bytes_torch(w: torch.Tensor, s4: torch.Tensor) -> torch.Tensor:
+    """The word arithmetic of moe._sign_bytes on int64 holding uint32 words."""
+    b = (s4 * 0x204081) & 0x01010101
+    m = ((b << 8) - b) & 0xFFFFFFFF
+    return ((w ^ m) + b) & 0xFFFFFFFF
+
+
+def _all_signed_words() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every (grid row, sign index): grid words lo, hi [256*128] (uint32 in int64), sign nibbles lo, hi."""
+    words = torch.tensor(IQ2XXS_GRID, dtype=torch.int64)
+    lo, hi = words & 0xFFFFFFFF, words >> 32  # grid bytes are < 128: the u64 is a non-negative int64
+    signs = torch.from_numpy(_KSIGNS_NP)
+    lo, hi = lo.repeat_interleave(128), hi.repeat_interleave(128)
+    s = signs.repeat(256)
+    return lo, hi, s & 15, s >> 4
+
+
+def _want_signed_bytes() -> torch.Tensor:
+    """[256*128, 8] int8: grid row bytes with KSIGNS applied, straight from the tables."""
+    neg = (torch.from_numpy(_KSIGNS_NP)[:, None] >> torch.arange(8)) & 1  # [128, 8]
+    vals = torch.from_numpy(_GRID_NP)[:, None, :] * (1 - 2 * neg)[None]  # [256, 128, 8]
+    return vals.reshape(-1, 8).to(torch.int8)
+
+
+def test_sign_bytes_word_arithmetic_exhaustive():
+    lo, hi, s_lo, s_hi = _all_signed_words()
+    got = torch.stack([_sign_bytes_torch(lo, s_lo), _sign_bytes_torch(hi, s_hi)], 1)  # [n, 2] uint32
+    got8 = got.to(torch.int32).view(torch.int8)  # wraps to the same bits (little-endian bytes)
+    assert torch.equal(got8.reshape(-1, 8), _want_signed_bytes())
+
+
+def test_q2k_byte_extract_exhaustive():
+    """(word >> 2t) & 0x03030303 on int32 (arithmetic shift) = the 2-bit fields of each byte, for every byte
+    value in every byte position (sign bit of the top byte included)."""
+    v = torch.arange(256, dtype=torch.int64)
+    filler = 0xA5
+    for pos in range(4):
+        word = torch.full_like(v, filler * 0x01010101) & ~(0xFF << (8 * pos)) | (v << (8 * pos))
+        w32 = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+        for t in range(4):
+            got = ((w32 >> (2 * t)) & 0x03030303).view(torch.int8).reshape(256, 4)
+            want = (w32.view(torch.uint8).reshape(256, 4).long() >> (2 * t)) & 3
+            assert torch.equal(got.long(), want)
+
+
+@triton.jit
+def _word_ops_kernel(
+    w_ptr, s_ptr, a_ptr, b_ptr, signed_ptr, dot_ptr, BLOCK: tl.constexpr, DP4A: tl.constexpr
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(signed_ptr + i, _sign_bytes(tl.load(w_ptr + i), tl.load(s_ptr + i)))
+    tl.store(dot_ptr + i, _dot4(tl.load(a_ptr + i), tl.load(b_ptr + i), 7, DP4A))
+
+
+@pytest.mark.parametrize("dp4a", [False, pytest.param(True, marks=pytest.mark.cuda)], ids=["int32", "dp4a"])
+def test_word_helpers_in_triton(dp4a):
+    """moe._sign_bytes on every (grid row, sign pattern) and moe._dot4 on random and extreme words."""
+    assert CUDA or not dp4a
+    lo, hi, s_lo, s_hi = _all_signed_words()
+    n = lo.numel() * 2  # 65536
+    w = torch.stack([lo, hi], 1).reshape(-1)
+    w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+    s = torch.stack([s_lo, s_hi], 1).reshape(-1).to(torch.int32)
+    gen = torch.Generator().manual_seed(33)
+    a = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    b = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    extremes = torch.tensor([0x7F7F7F7F, -0x7F7F7F80, -1, 0, 0x01010101, -0x7EFEFEFF], dtype=torch.int32)
+    a[: len(extremes) ** 2] = extremes.repeat_interleave(len(extremes))
+    b[: len(extremes) ** 2] = extremes.repeat(len(extremes))
+    signed = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    dot = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    block = 4096
+    _word_ops_kernel[(n // block,)](
+        w.to(DEVICE), s.to(DEVICE), a.to(DEVICE), b.to(DEVICE), signed, dot, BLOCK=block, DP4A=dp4a
+    )
+    assert torch.equal(signed.cpu().view(torch.int8).reshape(-1, 8), _want_signed_bytes())
+    want = 7 + (a.view(torch.int8).reshape(n, 4).long() * b.view(torch.int8).reshape(n, 4).long()).sum(1)
+    assert torch.equal(dot.cpu().long(), want)
+
+
+# Two row tiles, one k-split / a partial row tile, two k-splits (the interpreter always runs the int32 form).
+INT8_CONFIGS = [moe.MoeConfig(8, 1, 4, int8=True), moe.MoeConfig(32, 2, 4, int8=True, dp4a=False)]
+
+
+@pytest.mark.parametrize(
+    "cfg", INT8_CONFIGS, ids=lambda c: f"bn{c.bn}-s{c.splits}-{'dp4a' if c.dp4a else 'i32'}"
+)
+def test_moe_int8_kernels(cfg):
+    F, K = 16, 512  # tiny: the interpreter runs these on CPU
+    (wg, _), (wu, _), (wd, _) = (
+        stack(GGMLType.IQ2_XXS, (E, F, K), 34),
+        stack(GGMLType.IQ2_XXS, (E, F, K), 35),
+        stack(GGMLType.Q2_K, (E, F, K), 36),
+    )
+    ids = torch.tensor(IDS, dtype=torch.int32, device=DEVICE)
+    gen = generator(37)
+    x = torch.randn(3, K, generator=gen, device=DEVICE)
+    got = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)
+    assert got.shape == (3, 2, F) and got.dtype == torch.float32
+    assert rel_err(got, ref.moe_gate_up_q8k(x, wg, wu, ids, 1.0)) < F32_TOL
+    assert 1e-6 < rel_err(got, ref.moe_gate_up(x, wg, wu, ids, 1.0)) < INT8_TOL
+    mid = torch.randn(3, 2, K, generator=gen, device=DEVICE)
+    weights = torch.rand(3, 2, generator=gen, device=DEVICE)
+    got = moe.moe_down(mid, weights, wd, ids, cfg)
+    assert got.shape == (3, F) and got.dtype == torch.float32
+    assert rel_err(got, ref.moe_down_q8k(mid, weights, wd, ids)) < F32_TOL
+    assert 1e-6 < rel_err(got, ref.moe_down(mid, weights, wd, ids)) < INT8_TOL
+
+
+@pytest.mark.cuda
+def test_moe_int8_flash_widths_cuda():
+    """Flash widths on the GPU: dp4a and plain-int32 variants bit-identical, both at the twin's values; CUDA
+    graph capture of the int8 path (x / mid quantization included) with expert ids changed in place."""
+    assert CUDA
+    F, K = 2048, 4096
+    wg, _ = stack(GGMLType.IQ2_XXS, (8, F, K), 40)
+    wu, _ = stack(GGMLType.IQ2_XXS, (8, F, K), 41)
+    wd, _ = stack(GGMLType.Q2_K, (8, K, F), 42)
+    gen = generator(43)
+    for b in (1, 5, 32):
+        ids = torch.randint(0, 8, (b, 6), generator=gen, device=DEVICE).int()
+        x = torch.randn(b, K, generator=gen, device=DEVICE)
+        weights = torch.rand(b, 6, generator=gen, device=DEVICE)
+        outs = []
+        for dp4a in (True, False):
+            cfg_gu = moe.MoeConfig(8, 1, 4, int8=True, dp4a=dp4a)
+            cfg_d = moe.MoeConfig(32, 1, 4, int8=True, dp4a=dp4a)
+            mid = moe.moe_gate_up(x, wg, wu, ids, 10.0, cfg_gu)
+            outs.append((mid, moe.moe_down(mid, weights, wd, ids, cfg_d)))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        mid, y = outs[0]
+        assert rel_err(mid, ref.moe_gate_up_q8k(x, wg, wu, ids, 10.0)) < F32_TOL
+        assert rel_err(mid, ref.moe_gate_up(x, wg, wu, ids, 10.0)) < INT8_TOL
+        assert rel_err(y, ref.moe_down_q8k(mid, weights, wd, ids)) < F32_TOL
+        assert rel_err(y, ref.moe_down(mid, weights, wd, ids)) < INT8_TOL
+    cfg_gu, cfg_d = moe.MoeConfig(8, 1, 4, int8=True), moe.MoeConfig(32, 1, 4, int8=True)
+
+    def step():
+        return moe.moe_down(moe.moe_gate_up(x, wg, wu, ids, 10.0, cfg_gu), weights, wd, ids, cfg_d)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    ids.copy_(torch.randint(0, 8, ids.shape, generator=gen, device=DEVICE).int())
+    x.copy_(torch.randn(x.shape, generator=gen, device=DEVICE))
+    graph.replay()
+    want = ref.moe_down_q8k(ref.moe_gate_up_q8k(x, wg, wu, ids, 10.0), weights, wd, ids)
+    assert rel_err(out, want) < F32_TOL

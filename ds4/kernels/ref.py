@@ -88,8 +88,10 @@ def quantize_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xb = x.float().reshape(R, K // 256, 256)
     amax = xb.abs().amax(-1)  # [R, nb]
     big = amax >= Q8K_TINY
-    iscale = torch.where(big, 127.0 / torch.where(big, amax, 1.0), 0.0)
-    d = torch.where(big, amax / 127.0, 0.0)
+    # tensor / tensor, correctly rounded (torch: `s / t` is t.reciprocal() * s, on CUDA `t / s` is t * (1/s))
+    c127 = torch.full_like(amax, 127.0)
+    iscale = torch.where(big, c127 / torch.where(big, amax, 1.0), 0.0)
+    d = torch.where(big, amax / c127, 0.0)
     q = torch.round(xb * iscale[..., None]).clamp(-127, 127)  # torch.round: half to even
     return q.to(torch.int8).reshape(R, K), d
 
