@@ -451,7 +451,7 @@ def test_moe_int8_kernels(cfg):
 
 @pytest.mark.cuda
 def test_moe_int8_flash_widths_cuda():
-    """Flash widths on the GPU: dp4a and plain-int32 variants bit-identical, both at the twin's values; CUDA
+    """Flash widths on the GPU: dp4a and plain-int32 variants agree, both at the twin's values; CUDA
     graph capture of the int8 path (x / mid quantization included) with expert ids changed in place."""
     assert CUDA
     F, K = 2048, 4096
@@ -469,7 +469,8 @@ def test_moe_int8_flash_widths_cuda():
             cfg_d = moe.MoeConfig(32, 1, 4, int8=True, dp4a=dp4a)
             mid = moe.moe_gate_up(x, wg, wu, ids, 10.0, cfg_gu)
             outs.append((mid, moe.moe_down(mid, weights, wd, ids, cfg_d)))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        # same integers, same f32 code: equal up to the compiler's FMA choices
+        assert rel_err(outs[0][0], outs[1][0]) < 1e-6 and rel_err(outs[0][1], outs[1][1]) < 1e-6
         mid, y = outs[0]
         assert rel_err(mid, ref.moe_gate_up_q8k(x, wg, wu, ids, 10.0)) < F32_TOL
         assert rel_err(mid, ref.moe_gate_up(x, wg, wu, ids, 10.0)) < INT8_TOL

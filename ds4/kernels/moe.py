@@ -297,14 +297,15 @@ def _q2k_down_kernel(
 def _dot4(a, b, c, DP4A: tl.constexpr):
     """c + sum over the 4 bytes of int32 words a, b as signed int8 products (broadcasting, int32)."""
     if DP4A:
-        return tl.inline_asm_elementwise(
+        out = tl.inline_asm_elementwise(
             "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
         )
     else:
-        acc = c + ((a << 24) >> 24) * ((b << 24) >> 24)  # << then arithmetic >>: sign-extended byte 0
-        acc += ((a << 16) >> 24) * ((b << 16) >> 24)
-        acc += ((a << 8) >> 24) * ((b << 8) >> 24)
-        return acc + (a >> 24) * (b >> 24)
+        out = c + ((a << 24) >> 24) * ((b << 24) >> 24)  # << then arithmetic >>: sign-extended byte 0
+        out += ((a << 16) >> 24) * ((b << 16) >> 24)
+        out += ((a << 8) >> 24) * ((b << 8) >> 24)
+        out += (a >> 24) * (b >> 24)
+    return out
 
 
 @triton.jit
@@ -341,17 +342,18 @@ def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, TINY: tl.constexpr):
 
 
 @triton.jit
-def _iq2_q8k_block(qs, sg, dd, tab32, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.constexpr):
+def _iq2_q8k_block(qs, sg, dd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.constexpr):
     """[BN] f32 = (d_w d_x) S of IQ2_XXS super-block kt of rows wrow with the Q8_K words xlo, xhi [8, 4]
     (elements 0-3 / 4-7 of group 4 sb + l) and scale dx of x."""
     sb = tl.arange(0, 8)
     lg = tl.arange(0, 4)
     grp = sb[:, None] * 4 + lg[None, :]  # [8, 4] group of 8 elements
-    idx = tl.load(qs + wrow[:, None, None] * (nb * 32) + kt * 32 + grp[None, :, :]).to(tl.int32)  # [BN, 8, 4]
+    idx = tl.load(qs + wrow[:, None, None] * (nb * 32) + kt * 32 + grp[None, :, :])  # [BN, 8, 4] u8
     a1 = tl.load(sg + wrow[:, None] * (nb * 8) + kt * 8 + sb[None, :])  # [BN, 8] int32
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)  # [BN]
-    lo = tl.load(tab32 + idx * 2)  # [BN, 8, 4] grid bytes 0-3
-    hi = tl.load(tab32 + idx * 2 + 1)  # bytes 4-7
+    row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows (one 8-byte gather per group)
+    lo = row.to(tl.int32)  # bytes 0-3 (truncation)
+    hi = (row >> 32).to(tl.int32)  # bytes 4-7
     s = (a1[:, :, None] >> (7 * lg)[None, None, :]) & 127  # [BN, 8, 4] sign index
     p = s ^ (s >> 4)
     p = p ^ (p >> 2)
@@ -374,7 +376,7 @@ def _iq2_q8k_gate_up_kernel(
     uq,
     us,
     ud,
-    tab32,
+    tab64,
     ids_ptr,
     out_ptr,
     n_slots,
@@ -407,8 +409,8 @@ def _iq2_q8k_gate_up_kernel(
         xlo = tl.load(xo + kt * 64 + xg)
         xhi = tl.load(xo + kt * 64 + xg + 1)
         dx = tl.load(dx_ptr + b * nb + kt)
-        acc_g += _iq2_q8k_block(gq, gs, gd, tab32, wrow, kt, nb, xlo, xhi, dx, DP4A)
-        acc_u += _iq2_q8k_block(uq, us, ud, tab32, wrow, kt, nb, xlo, xhi, dx, DP4A)
+        acc_g += _iq2_q8k_block(gq, gs, gd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A)
+        acc_u += _iq2_q8k_block(uq, us, ud, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A)
     acc_g = acc_g * 0.125
     acc_u = acc_u * 0.125
     if SPLIT:
@@ -572,7 +574,7 @@ def moe_gate_up(
     grid = (triton.cdiv(F, cfg.bn), B * k, splits)
     if int8:
         xq, dx = quantize_q8k(x)
-        g, u, tab = wg.data, wu.data, _iq2_table32(x.device)
+        g, u, tab = wg.data, wu.data, iq2xxs_grid_i64(x.device)
         _iq2_q8k_gate_up_kernel[grid](
             xq.view(torch.int32), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ids, part, k,
             F, K, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1, DP4A=_dp4a(x, cfg),
