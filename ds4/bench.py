@@ -8,6 +8,15 @@ greedy tokens with EOS excluded (timed), restore the copy. One CSV row per front
 
 kvcache_bytes is the DSV4 payload size of the session at f (model.md §11.3); weights_gbps is the weight
 bytes a decode step reads (matrices as stored on the device, routed experts k/E of their bytes) x gen_tps.
+`--parallel N` measures many sessions instead (issue 8): per frontier f, ONE session is prefilled to f and
+its state copied into N pool sessions (no N prefills); G = gen-tokens batched greedy decode steps of all N
+are timed (median of --repeats; EOS excluded; row i starts from the greedy token shifted by i so the
+streams route to different experts), then the time to first token of a new request of --ttft-prompt
+tokens, submitted to ds4.engine.Scheduler (prefill budget --prefill-budget tokens per step) while N - 1
+streams decode. One CSV row per frontier:
+
+    parallel,ctx_tokens,gen_tokens,step_ms,gen_tps_aggregate,weights_gbps,ttft_prompt,ttft_s,kv_pool_bytes
+
 `--synthetic flash-q2|flash-q4` builds full-size random Flash weights directly on the GPU (no file); its
 prompt tokens are the text's UTF-8 bytes spread over the vocabulary (random weights: token identity does
 not matter).
@@ -35,6 +44,17 @@ COLUMNS = [
     "gen_tps",
     "kvcache_bytes",
     "weights_gbps",
+]
+PARALLEL_COLUMNS = [
+    "parallel",
+    "ctx_tokens",
+    "gen_tokens",
+    "step_ms",
+    "gen_tps_aggregate",
+    "weights_gbps",
+    "ttft_prompt",
+    "ttft_s",
+    "kv_pool_bytes",
 ]
 SYNTHETIC = {"flash-q2": "q2", "flash-q4": "q4"}
 SYNTHETIC_EOS = 1  # <｜end▁of▁sentence｜> in the DeepSeek V4 vocabulary
@@ -78,6 +98,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--csv", help="CSV output file (default stdout)")
     p.add_argument("--plot", action="store_true", help="also write <csv>_ts.png and .svg (needs matplotlib)")
     p.add_argument("--no-graphs", action="store_true", help="cuda: decode without CUDA graphs")
+    p.add_argument("--parallel", type=int, default=0, help="N sessions decoding together (batched decode)")
+    p.add_argument("--repeats", type=int, default=3, help="--parallel: timed repeats (median)")
+    p.add_argument(
+        "--ttft-prompt", type=int, default=1024, help="--parallel: prompt tokens of the new request"
+    )
+    p.add_argument("--prefill-budget", type=int, default=512, help="--parallel: prefill tokens per step")
     a = p.parse_args(argv)
     if a.ctx_start < 1 or a.ctx_max < a.ctx_start:
         p.error(f"need 1 <= --ctx-start <= --ctx-max, got {a.ctx_start} and {a.ctx_max}")
@@ -87,6 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--step-incr must be >= 1, got {a.step_incr}")
     if a.gen_tokens < 1:
         p.error(f"--gen-tokens must be >= 1, got {a.gen_tokens}")
+    if a.parallel < 0 or a.repeats < 1 or a.ttft_prompt < 1 or a.prefill_budget < 1:
+        p.error("--parallel must be >= 0; --repeats, --ttft-prompt and --prefill-budget >= 1")
+    if a.parallel:  # room for the streams decoding while the new request prefills, and for that request
+        need = max(
+            a.ctx_max + a.gen_tokens, a.ctx_max + -(-a.ttft_prompt // a.prefill_budget) + 4, a.ttft_prompt
+        )
+        a.ctx_alloc = max(a.ctx_alloc, need + 1)
     a.ctx_alloc = a.ctx_alloc or a.ctx_max + a.gen_tokens + 1
     if a.ctx_alloc <= a.ctx_max + a.gen_tokens:
         p.error(f"--ctx-alloc must be > ctx-max + gen-tokens = {a.ctx_max + a.gen_tokens}, got {a.ctx_alloc}")
@@ -259,6 +292,8 @@ def run(a: argparse.Namespace, out, loaded: Loaded | None = None) -> list[dict]:
     from ds4.engine.snapshot import payload_size
 
     loaded = loaded or load(a)
+    if a.parallel:
+        return run_parallel(a, out, loaded)
     tokens, model = loaded.tokens, loaded.model
     if len(tokens) < a.ctx_max:
         raise BenchError(f"prompt too short: {len(tokens)} tokens, --ctx-max needs at least {a.ctx_max}")
@@ -290,6 +325,161 @@ def run(a: argparse.Namespace, out, loaded: Loaded | None = None) -> list[dict]:
             "gen_tps": f"{gen_tps:.2f}",
             "kvcache_bytes": payload_size(model.cfg, f),
             "weights_gbps": f"{step_bytes * gen_tps / 1e9:.2f}",
+        }
+        writer.writerow(row)
+        out.flush()
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# --parallel N: batched decode of N sessions, TTFT of a new request while N - 1 stream
+# ---------------------------------------------------------------------------------------------
+
+
+def _bench_backend(model, ctx: int, n: int):
+    """A ModelBackend over n + 1 preallocated sessions: n for the streams (handed out again to each new
+    Scheduler, after a reset) and one `base` timeline; restore(session, base) copies base's state."""
+    from ds4.engine.batch_backend import ModelBackend
+
+    class BenchBackend(ModelBackend):
+        def __init__(self) -> None:
+            super().__init__(model, ctx, slots=n + 1)
+            self.streams = [super(BenchBackend, self).new_session() for _ in range(n)]
+            self.base = super().new_session()
+            self._next = 0
+
+        def new_session(self):
+            s = self.streams[self._next % n]
+            self._next += 1
+            self.reset(s)
+            return s
+
+        def restore(self, session, base):
+            copy_session(session, base)
+            return session.logits
+
+    return BenchBackend()
+
+
+def copy_session(dst, src) -> None:
+    """dst (a BatchSession) := src: in place for device states (pool views), else a clone."""
+    if hasattr(dst.state, "copy_from"):
+        dst.state.copy_from(src.state)
+    else:
+        dst.state = src.state.clone()
+    dst.tokens, dst.logits = list(src.tokens), src.logits
+
+
+def _greedy_token(logits, eos: int) -> int:
+    lg = logits.float().clone()
+    lg[eos] = float("-inf")
+    return int(lg.argmax())
+
+
+def time_batched(model, backend, eos: int, steps: int, repeats: int, sync) -> float:
+    """Median seconds of `steps` batched greedy decode steps of every stream (each a copy of base)."""
+    import torch
+
+    n, V = len(backend.streams), model.cfg.n_vocab
+    first = _greedy_token(backend.base.logits, eos)
+    start = [(first + 7919 * i) % V for i in range(n)]  # distinct streams: different experts per row
+    start = [t if t != eos else (t + 1) % V for t in start]
+    times = []
+    for rep in range(repeats + 1):  # the first run warms up (kernels, the bucket's CUDA graph)
+        for s in backend.streams:
+            copy_session(s, backend.base)
+        states, toks = [s.state for s in backend.streams], list(start)
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(steps if rep else min(steps, 2)):
+                logits = model.decode_batch(states, toks)  # [N, V]
+                logits[:, eos] = float("-inf")
+                toks = logits.argmax(-1).tolist()
+        sync()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    for s in backend.streams:
+        backend.reset(s)
+    return sorted(times)[len(times) // 2]
+
+
+def time_to_first_token(model, backend, a: argparse.Namespace, eos: int, sync) -> float:
+    """Seconds from submitting a new request of a.ttft_prompt tokens to its first token, while N - 1 streams
+    (restored copies of base) decode; prefill of at most a.prefill_budget tokens per scheduler step."""
+    from ds4.engine.scheduler import Request, Scheduler, Token
+
+    n, base, V = len(backend.streams), backend.base, model.cfg.n_vocab
+    events: list = []
+    sched = Scheduler(
+        backend,
+        sampler=lambda req, logits: _greedy_token(logits, eos),
+        on_event=events.append,
+        slots=n,
+        prefill_budget=a.prefill_budget,
+        ctx=backend.ctx,
+        restore=lambda prompt: (
+            (len(base.tokens), base) if prompt[: len(base.tokens)] == base.tokens else None
+        ),
+    )
+    streams = [f"s{i}" for i in range(n - 1)]
+    for rid in streams:
+        sched.submit(Request(rid, list(base.tokens), max_tokens=backend.ctx))
+    for _ in range(3):  # admitted, decoding, graphs of their batch bucket captured
+        sched.step()
+    prompt = [(t * 31 + 17) % V for t in base.tokens[: a.ttft_prompt]]  # shares no prefix with base
+    prompt += [(7 * i + 3) % V for i in range(a.ttft_prompt - len(prompt))]
+    del events[:]
+    sync()
+    t0 = time.perf_counter()
+    sched.submit(Request("new", prompt, max_tokens=1))
+    while not any(isinstance(e, Token) and e.request_id == "new" for e in events):
+        if not sched.step():
+            raise BenchError("the scheduler went idle before the new request's first token")
+    ttft = time.perf_counter() - t0
+    for rid in streams:
+        sched.cancel(rid)
+    sched.run()
+    for s in backend.streams:
+        backend.reset(s)
+    return ttft
+
+
+def run_parallel(a: argparse.Namespace, out, loaded: Loaded) -> list[dict]:
+    import torch
+
+    tokens, model, n = loaded.tokens, loaded.model, a.parallel
+    if len(tokens) < a.ctx_max:
+        raise BenchError(f"prompt too short: {len(tokens)} tokens, --ctx-max needs at least {a.ctx_max}")
+    device = getattr(model, "device", torch.device("cpu"))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    backend = _bench_backend(model, a.ctx_alloc, n)
+    pool = getattr(backend.base.state, "pool", None)
+    pool_bytes = pool.nbytes() if pool is not None else 0
+    step_bytes = decode_bytes_per_token(model)
+    writer = csv.DictWriter(out, PARALLEL_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    rows = []
+    for f in frontiers(a.ctx_start, a.ctx_max, a.step_incr, a.step_mul):
+        base = backend.base
+        backend.prefill(base, tokens[len(base.tokens) : f])  # only the new interval
+        t = time_batched(model, backend, loaded.eos, a.gen_tokens, a.repeats, sync)
+        ttft = time_to_first_token(model, backend, a, loaded.eos, sync)
+        row = {
+            "parallel": n,
+            "ctx_tokens": f,
+            "gen_tokens": a.gen_tokens,
+            "step_ms": f"{1e3 * t / a.gen_tokens:.3f}",
+            "gen_tps_aggregate": f"{n * a.gen_tokens / t:.2f}",
+            "weights_gbps": f"{step_bytes * a.gen_tokens / t / 1e9:.2f}",
+            "ttft_prompt": a.ttft_prompt,
+            "ttft_s": f"{ttft:.4f}",
+            "kv_pool_bytes": pool_bytes,
         }
         writer.writerow(row)
         out.flush()

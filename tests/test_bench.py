@@ -94,3 +94,57 @@ def test_greedy_skips_eos():
     drv = bench.Driver(m, 100, eos=3)
     drv.extend([1, 2])
     assert drv.greedy(4) == [7, 7, 7, 7]
+
+
+def test_tiny_cpu_parallel(tmp_path):
+    """--parallel 3 on the tiny model: one row per frontier with the batched-decode and TTFT columns."""
+    if not BENCH_TEXT.exists():
+        pytest.skip(f"bench text missing: {BENCH_TEXT}")
+    out = tmp_path / "p.csv"
+    argv = ["-m", "tiny", "--cpu", "-t", "1", "--ctx-start", "20", "--ctx-max", "36", "--step-incr", "16"]
+    argv += ["--parallel", "3", "--gen-tokens", "2", "--repeats", "1", "--ttft-prompt", "12"]
+    assert bench.main([*argv, "--prefill-budget", "5", "--csv", str(out)]) == 0
+    with open(out, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0]) == bench.PARALLEL_COLUMNS
+    assert [int(r["ctx_tokens"]) for r in rows] == [20, 36]
+    for r in rows:
+        assert (int(r["parallel"]), int(r["gen_tokens"]), int(r["ttft_prompt"])) == (3, 2, 12)
+        step, tps = float(r["step_ms"]), float(r["gen_tps_aggregate"])
+        assert step > 0 and abs(tps - 3 * 1e3 / step) <= 0.02 * tps  # 3 tokens per step
+        assert float(r["ttft_s"]) > 0 and float(r["weights_gbps"]) > 0
+        assert int(r["kv_pool_bytes"]) == 0  # CPU states: no device pool
+
+
+def test_parallel_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--parallel", "-1"])
+    assert "--parallel" in capsys.readouterr().err
+    a = bench.parse_args(["--parallel", "4", "--ctx-max", "4096", "-n", "16", "--ttft-prompt", "1000"])
+    assert a.ctx_alloc > 4096 + 16 and a.ctx_alloc > 4096 + 2 + 4  # room for streams while the prompt fills
+
+
+def test_parallel_on_the_device_model_code(tmp_path):
+    """The --parallel driver over CudaModel (run on the CPU device): pool sessions, copy_from, the batched
+    step and the scheduler's in-place restore; the pool holds N streams + the base + scratch."""
+    import io
+
+    import torch
+
+    from ds4.gguf import open_model
+    from ds4.model.cuda import CudaModel, gguf_source
+    from ds4.model.cuda.state import session_nbytes
+    from ds4.tools.make_model import ensure_tiny_model
+
+    torch.set_num_threads(1)
+    mf = open_model(ensure_tiny_model())
+    model = CudaModel(mf.config, gguf_source(mf), has=mf.has, device="cpu")
+    tokens = [(i * 7919) % model.cfg.n_vocab for i in range(64)]
+    a = bench.parse_args(
+        ["--ctx-start", "24", "--ctx-max", "24", "--parallel", "3", "-n", "2", "--repeats", "1"]
+        + ["--ttft-prompt", "10", "--prefill-budget", "4"]
+    )
+    out = io.StringIO()
+    rows = bench.run(a, out, bench.Loaded(model, tokens, eos=1, label="tiny device"))
+    assert len(rows) == 1 and float(rows[0]["ttft_s"]) > 0 and float(rows[0]["gen_tps_aggregate"]) > 0
+    assert rows[0]["kv_pool_bytes"] == 5 * session_nbytes(model.cfg, a.ctx_alloc)
