@@ -158,3 +158,74 @@ def test_rewind_to_prompt_checkpoint(engine, split_case):
     nock.sync(prompt)
     nock.eval(11)
     assert nock.sync(turn2) == len(turn2) and nock.stats.rebuilds == 1
+
+
+class InPlaceState:
+    """A CPU stand-in for a pooled device state: same object for life, everything in place (the device
+    contract reset / copy_from / to_cpu / load_cpu of session2.md)."""
+
+    def __init__(self, model, ctx: int) -> None:
+        self.model, self.ctx, self.inner = model, ctx, model.new_state(ctx)
+
+    @property
+    def layers(self):
+        return self.inner.layers
+
+    @property
+    def n_tokens(self) -> int:
+        return self.inner.n_tokens
+
+    def reset(self) -> None:
+        self.inner = self.model.new_state(self.ctx)
+
+    def copy_from(self, other: InPlaceState) -> None:
+        self.inner = other.inner.clone()
+
+    def to_cpu(self):
+        return self.inner.clone()
+
+    def load_cpu(self, state) -> None:
+        self.inner = state.clone()
+
+    def clone(self):
+        raise AssertionError("a pooled state is never cloned: the session copies into its own buffers")
+
+
+def test_session_with_stepper_forward_and_pooled_states_works_in_place(engine) -> None:
+    from ds4.engine.session import Session
+    from ds4.engine.stepper import Stepper
+
+    model = engine.model
+
+    def fwd(state, tokens):  # the model sees the wrapped CPU state
+        return model.forward(state.inner, tokens)
+
+    class Ops:
+        forward = staticmethod(fwd)
+
+        @staticmethod
+        def decode_batch(states, tokens):
+            return model.decode_batch([s.inner for s in states], tokens)
+
+    ctx, prompt = 64, list(range(5, 25))
+    stepper = Stepper(Ops())
+    try:
+        live, cp = InPlaceState(model, ctx), InPlaceState(model, ctx)
+        s = Session(engine, ctx, state=live, checkpoint_state=cp, forward=stepper.forward)
+        ref = engine.session(ctx)
+        for sess in (s, ref):
+            sess.sync(prompt)
+            sess.eval(7)
+            sess.eval(8)
+            sess.sync([*prompt, 30, 31])  # not an extension of prompt+7+8: rewinds to the prompt checkpoint
+        assert s.stats.checkpoint_hits == ref.stats.checkpoint_hits == 1
+        assert torch.equal(s.logits, ref.logits)
+        blob = ref.snapshot()
+        s.reset()
+        assert s.tokens == [] and s.state is live and live.n_tokens == 0
+        s.restore(blob)
+        assert s.state is live and s.tokens == ref.tokens and torch.equal(s.logits, ref.logits)
+        assert torch.equal(s.eval(9), ref.eval(9))
+        assert s._checkpoint.state is cp  # the checkpoint lives in its preallocated buffer
+    finally:
+        stepper.stop()

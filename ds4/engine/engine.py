@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ds4.config import DEFAULT_CTX, TINY_MODEL_ALIAS, ModelConfig
-from ds4.engine.session import Session
+from ds4.engine.session import ForwardFn, Session
 from ds4.errors import Ds4Error
 from ds4.gguf import ModelFile, open_model
 from ds4.model import DS4Model
@@ -34,6 +34,23 @@ def _set_threads(threads: int | None, backend: str, cfg: ModelConfig) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def cpu_state_nbytes(cfg: ModelConfig, ctx: int) -> int:
+    """f32 bytes of a full CPU KVState at context ctx (ds4.model.state): per layer the raw window, the
+    compressed rows (ctx // r + 2 rows reserved) and the compressor frontiers (kv + score), plus the indexer
+    rows and frontier on ratio-4 layers."""
+    D, Di, f32 = cfg.head_dim, cfg.indexer_dim, 4
+    total = 0
+    for r in cfg.compress_ratios[: cfg.n_layer]:
+        rows = min(ctx, cfg.window) * D
+        if r:
+            c = 2 if r == 4 else 1
+            rows += (ctx // r + 2) * D + 2 * (c * r) * (c * D)
+        if r == 4:
+            rows += (ctx // 4 + 2) * Di + 2 * (2 * 4) * (2 * Di)
+        total += rows * f32
+    return total
 
 
 class Engine:
@@ -87,6 +104,47 @@ class Engine:
     def session(self, ctx: int = DEFAULT_CTX, *, checkpoint: bool = True) -> Session:
         """A new empty session; `checkpoint` keeps the post-prompt state so sync can rewind to it."""
         return Session(self, ctx, checkpoint=checkpoint)
+
+    def sessions(
+        self, n: int, ctx: int, *, checkpoint: bool = True, forward: ForwardFn | None = None
+    ) -> list[Session]:
+        """n live sessions for the server. A device backend allocates all their states (and, with
+        `checkpoint`, one checkpoint buffer each) at once from one pool (model.new_states), so nothing is
+        allocated later; `forward` is the Stepper's (batched decode across the sessions)."""
+        if n < 1:
+            raise Ds4Error(f"need at least one session, got {n}")
+        new_states = getattr(self.model, "new_states", None)
+        states = list(new_states(n, ctx)) if new_states is not None else [None] * n
+        pooled = states[0] is not None and hasattr(states[0], "copy_from")
+        buffers = list(new_states(n, ctx)) if pooled and checkpoint else [None] * n
+        return [
+            Session(self, ctx, checkpoint=checkpoint, state=st, checkpoint_state=cp, forward=forward)
+            for st, cp in zip(states, buffers, strict=True)
+        ]
+
+    def session_nbytes(self, ctx: int, *, checkpoint: bool = False) -> int:
+        """Bytes of one session's KV state at context `ctx` (both states when its checkpoint has its own)."""
+        if self.backend == "cuda":
+            from ds4.model.cuda.state import session_nbytes
+
+            return session_nbytes(self.config, ctx) * (2 if checkpoint else 1)
+        return cpu_state_nbytes(self.config, ctx)  # CPU checkpoints are clones of a growing state
+
+    def free_memory(self) -> int | None:
+        """Bytes free for KV states now (after the weights): the GPU's free memory on cuda, the host's
+        available memory on cpu; None when unknown."""
+        if self.backend == "cuda":
+            import torch
+
+            return int(torch.cuda.mem_get_info()[0])
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
 
     def close(self) -> None:
         self.model_file.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ds4.engine.engine import Engine
 
 ProgressFn = Callable[[int, int], None]  # (tokens prefilled so far, tokens to prefill)
+ForwardFn = Callable[[Any, Sequence[int]], torch.Tensor]  # (state, tokens) -> logits, like model.forward
 
 
 class ContextError(Ds4Error, ValueError):
@@ -47,13 +48,29 @@ class _Checkpoint:
 
 
 class Session:
-    def __init__(self, engine: Engine, ctx: int, *, checkpoint: bool = True) -> None:
+    """`state` / `checkpoint_state`: preallocated (pooled device) states this session works in, in place;
+    `forward`: who runs the model (default engine.model.forward; the server passes a Stepper's forward so
+    many sessions' decode steps are batched)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        ctx: int,
+        *,
+        checkpoint: bool = True,
+        state: Any = None,
+        checkpoint_state: Any = None,
+        forward: ForwardFn | None = None,
+    ) -> None:
         if ctx <= 1:
             raise ContextError(f"context size must be at least 2 tokens, got {ctx}")
         self.engine = engine
         self.ctx = ctx
         self.layout = snap.Layout.cpu(engine.config, ctx)
-        self.state = engine.model.new_state(ctx)
+        self.state = state if state is not None else engine.model.new_state(ctx)
+        self._run_model: ForwardFn = forward if forward is not None else engine.model.forward
+        # the checkpoint's own buffer: copy_from into it instead of a clone per prompt (no allocation later)
+        self._checkpoint_buf = checkpoint_state if hasattr(checkpoint_state, "copy_from") else None
         self.tokens: list[int] = []
         self._logits: torch.Tensor | None = None  # [V] next-token logits once a token was consumed
         self.last_prefill = 0  # tokens prefilled by the latest sync
@@ -112,7 +129,7 @@ class Session:
             self._forward(suffix, progress)
             self.stats.prefill_tokens += len(suffix)
         if self.keep_checkpoint and (self._checkpoint is None or self._checkpoint.tokens != tokens):
-            self._checkpoint = _Checkpoint(list(tokens), self.state.clone(), self.logits.clone())
+            self._checkpoint = _Checkpoint(list(tokens), self._checkpoint_copy(), self.logits.clone())
         return len(suffix)
 
     @property
@@ -120,6 +137,12 @@ class Session:
         """The prompt whose post-prefill state the session keeps: sync() rewinds to it by itself when a new
         prompt extends it (empty when there is none)."""
         return tuple(self._checkpoint.tokens) if self._checkpoint is not None else ()
+
+    def _checkpoint_copy(self) -> Any:
+        if self._checkpoint_buf is None:
+            return self.state.clone()
+        self._checkpoint_buf.copy_from(self.state)
+        return self._checkpoint_buf
 
     def _rewind_to_checkpoint(self, tokens: list[int]) -> bool:
         cp = self._checkpoint
@@ -146,7 +169,7 @@ class Session:
         if progress is not None:
             progress(0, len(tokens))
         try:
-            logits = self.engine.model.forward(self.state, tokens)
+            logits = self._run_model(self.state, tokens)
         except BaseException:
             self.reset()  # a half-updated KV state is unusable: fall back to an empty session
             raise
@@ -171,13 +194,13 @@ class Session:
     def restore(self, blob: bytes) -> None:
         """Replace the timeline by a payload; raises SnapshotError (state untouched) if it does not fit."""
         decoded = snap.decode(blob, self.layout)
-        state = self.engine.model.new_state(self.ctx)
-        if hasattr(state, "to_cpu"):  # device state: install into its CPU form, then upload
-            cpu = state.to_cpu()
+        if hasattr(self.state, "load_cpu"):  # device state: install into its CPU form, upload in place
+            cpu = self.state.to_cpu()
             snap.install(decoded, cpu)
-            state.load_cpu(cpu)
+            self.state.load_cpu(cpu)
         else:
+            state = self.engine.model.new_state(self.ctx)
             snap.install(decoded, state)
-        self.state = state
+            self.state = state
         self.tokens = decoded.tokens
         self._logits = decoded.logits if decoded.tokens else None

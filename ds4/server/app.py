@@ -470,7 +470,25 @@ def metrics_text(worker: Worker) -> str:
         ("ds4_queue_depth", "gauge", "jobs waiting for the worker", worker.queue_depth),
         ("ds4_prefill_tokens_per_second", "gauge", "prefill speed of the latest request", m.prefill_tps),
         ("ds4_decode_tokens_per_second", "gauge", "decode speed of the latest request", m.decode_tps),
+        ("ds4_sessions", "gauge", "live session slots (--parallel)", len(worker.slots)),
+        ("ds4_live_sessions", "gauge", "sessions holding a KV timeline", worker.live_sessions),
+        ("ds4_busy_sessions", "gauge", "sessions serving a request now", worker.busy_sessions),
+        ("ds4_evictions_total", "counter", "idle sessions taken over by another timeline", m.evictions_total),
     ]
+    stats = getattr(worker.stepper, "stats", None)
+    if stats is not None:
+        rows += [
+            ("ds4_decode_batch_last", "gauge", "decode tokens in the latest batched step", stats.last_batch),
+            ("ds4_decode_batch_max", "gauge", "largest batched decode step so far", stats.max_batch),
+            ("ds4_decode_steps_total", "counter", "batched decode steps", stats.decode_steps),
+            ("ds4_decode_step_tokens_total", "counter", "tokens of decode steps", stats.decode_tokens),
+        ]
+    if worker.kv_budget is not None:
+        b = worker.kv_budget
+        rows += [
+            ("ds4_kv_bytes_per_session", "gauge", "KV state bytes of one session", b.bytes_per_session),
+            ("ds4_kv_bytes_total", "gauge", "KV bytes of all sessions", b.sessions * b.bytes_per_session),
+        ]
     out = []
     for name, kind, help_, value in rows:
         out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ds4 import config
 
@@ -18,6 +19,58 @@ are used.
 Disk cache (--kv-disk-dir): a cold prompt of min..cold-max tokens is saved at its system-prompt anchor,
 long sessions every continued-interval tokens (aligned), and the live session when another prompt evicts it.
 """
+
+
+MAX_AUTO_PARALLEL = 32  # the automatic --parallel on cuda never exceeds this
+CPU_PARALLEL = 4  # the CPU backend's default --parallel
+KV_MEMORY_SHARE = 0.9  # share of the free memory the automatic --parallel fills with KV states
+PARALLEL_PREFILL_BUDGET = 512  # prefill tokens per step when streams share the model
+
+
+def default_parallel(backend: str, free_bytes: int | None, bytes_per_session: int, scratch: int = 0) -> int:
+    """--parallel when none is given: cuda fills 90% of the free memory (at most 32 sessions, next to the
+    pool's `scratch` bytes); cpu: 4."""
+    if backend != "cuda":
+        return CPU_PARALLEL
+    if free_bytes is None or bytes_per_session <= 0:
+        return 1
+    fit = (int(KV_MEMORY_SHARE * free_bytes) - scratch) // bytes_per_session
+    return max(1, min(MAX_AUTO_PARALLEL, fit))
+
+
+def build_worker(
+    engine: Any,
+    ctx: int,
+    *,
+    parallel: int | None = None,
+    prefill_budget: int | None = None,
+    checkpoint: bool = True,
+    **worker_kw: Any,
+) -> tuple[Any, Any]:
+    """The worker over `parallel` live sessions whose model calls share one Stepper; logs the KV budget.
+    Returns (worker, stepper); the caller stops the worker first, then the stepper."""
+    from ds4.engine.stepper import Stepper
+    from ds4.server.worker import KVBudget, Worker
+
+    device_checkpoint = checkpoint and engine.backend == "cuda"  # a pooled checkpoint buffer per session
+    per_session = engine.session_nbytes(ctx, checkpoint=device_checkpoint)
+    # a device pool holds one scratch slot (the padded rows of a batched step) per pool: states, checkpoints
+    scratch = per_session if engine.backend == "cuda" else 0
+    free = engine.free_memory()
+    n = parallel if parallel is not None else default_parallel(engine.backend, free, per_session, scratch)
+    if n < 1:
+        raise ValueError(f"--parallel must be at least 1, got {n}")
+    budget = prefill_budget or (config.PREFILL_CHUNK if n == 1 else PARALLEL_PREFILL_BUDGET)
+    stepper = Stepper(engine.model, prefill_budget=budget)
+    try:
+        sessions = engine.sessions(n, ctx, checkpoint=checkpoint, forward=stepper.forward)
+    except BaseException:
+        stepper.stop()
+        raise
+    kv_budget = KVBudget(n, ctx, per_session, free, scratch)
+    logging.getLogger("ds4.server").info("%s", kv_budget.line())
+    worker = Worker(engine.tokenizer, sessions, stepper=stepper, kv_budget=kv_budget, **worker_kw)
+    return worker, stepper
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kv-cache-boundary-trim-tokens", type=int, default=config.KV_CACHE_BOUNDARY_TRIM_TOKENS)
     add("--kv-cache-boundary-align-tokens", type=int, default=config.KV_CACHE_BOUNDARY_ALIGN_TOKENS)
     add("--kv-cache-reject-different-quant", action="store_true")
+    add(
+        "--parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="live sessions kept at once, their decode steps batched (default: cuda: as many as fit in "
+        f"90%% of the GPU memory free after the weights, at most {MAX_AUTO_PARALLEL}; cpu: {CPU_PARALLEL})",
+    )
+    add(
+        "--prefill-budget",
+        type=int,
+        default=None,
+        metavar="T",
+        help="prefill tokens per batched step, so running streams never wait for a whole prompt "
+        f"(default {config.PREFILL_CHUNK} with --parallel 1, else {PARALLEL_PREFILL_BUDGET})",
+    )
     add("--nothink", action="store_true", help="thinking off for requests that do not ask for it")
     add("--tool-memory-max-ids", type=int, default=config.TOOL_MEMORY_MAX_IDS)
     add("--disable-exact-dsml-tool-replay", action="store_true")
@@ -85,6 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ctx < 2 or args.tokens < 0 or not 0 < args.port < 65536:
         print("ds4-server: --ctx must be >= 2, --tokens >= 0 and --port in 1..65535", file=sys.stderr)
         return 2
+    if (args.parallel is not None and args.parallel < 1) or (
+        args.prefill_budget is not None and args.prefill_budget < 1
+    ):
+        print("ds4-server: --parallel and --prefill-budget must be at least 1", file=sys.stderr)
+        return 2
     import uvicorn
 
     from ds4.cli import resolve_model_path
@@ -92,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ds4.engine import Engine
     from ds4.errors import Ds4Error
     from ds4.server.app import ServerOptions, create_app
-    from ds4.server.worker import Worker, WorkerOptions
+    from ds4.server.worker import WorkerOptions
 
     try:
         engine = Engine.open(resolve_model_path(args.model), backend=args.backend, threads=args.threads)
@@ -121,14 +195,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     trace = open(args.trace, "a", encoding="utf-8", buffering=1) if args.trace else None  # noqa: SIM115
     exact = not args.disable_exact_dsml_tool_replay
-    worker = Worker(
-        engine.tokenizer,
-        engine.session(args.ctx),
-        options=WorkerOptions(ctx=args.ctx, default_max_tokens=args.tokens, exact_replay=exact),
-        kvstore=kv,
-        tool_memory=ToolMemory(max_ids=args.tool_memory_max_ids),
-        trace=trace,
-    )
+    try:
+        worker, stepper = build_worker(
+            engine,
+            args.ctx,
+            parallel=args.parallel,
+            prefill_budget=args.prefill_budget,
+            options=WorkerOptions(ctx=args.ctx, default_max_tokens=args.tokens, exact_replay=exact),
+            kvstore=kv,
+            tool_memory=ToolMemory(max_ids=args.tool_memory_max_ids),
+            trace=trace,
+        )
+    except (Ds4Error, ValueError, RuntimeError) as err:  # e.g. the sessions do not fit in memory
+        print(f"ds4-server: {err}", file=sys.stderr)
+        engine.close()
+        return 2
     worker.start()
     opt = ServerOptions(
         ctx=args.ctx,
@@ -144,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvicorn.run(create_app(worker, opt), host=host, port=args.port, log_level="warning")
     finally:
         worker.stop()
-        if kv is not None and len(worker.session.tokens) >= args.kv_cache_min_tokens:
+        stepper.stop()
+        if kv is not None:
             worker.store_shutdown()
         engine.close()
         if trace is not None:
