@@ -223,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         uvicorn.run(create_app(worker, opt), host=host, port=args.port, log_level="warning")
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl+C after its shutdown: ours follows below
+        pass
     finally:
         worker.stop()
         stepper.stop()
