@@ -1,0 +1,196 @@
+"""Routed-expert decode kernels at Flash shapes: current (f32 dequant) vs Q8_K integer (MoeConfig.int8).
+
+On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]        (< 2 minutes)
+
+Flash widths (K = 4096, F = 2048, 256 experts, 6 per row), IQ2_XXS gate/up and Q2_K down, random valid blocks
+built on the GPU (ds4.quant.random_blocks + ds4.kernels.packing.pack), B = 1, 8, 32 rows.
+  * checks (8-expert stacks, ids % 8, fresh random x / mid): max |diff| / max |ref| of every variant against
+    the f32 reference (ref.moe_gate_up / moe_down on exactly dequantized weights) and of the int8 variants
+    against their integer twin (ref.moe_gate_up_q8k / moe_down_q8k);
+  * timing: L layers' stacks (different random experts per layer), one CUDA graph per variant that runs the
+    op once per layer (L calls: the ~42 MB of selected-expert bytes of one layer is below the 50 MB L2, the
+    rotation over L layers is not), replayed R times and timed with CUDA events: median us per call. The
+    int8 times include quantizing x (gate/up) or mid (down). TB/s = packed bytes of the distinct experts the
+    call reads (DRAM minimum) / time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from ds4.kernels import moe, ref  # noqa: E402
+from ds4.kernels.packing import pack  # noqa: E402
+from ds4.quant import GGMLType, random_blocks  # noqa: E402
+
+IQ2, Q2K = GGMLType.IQ2_XXS, GGMLType.Q2_K
+E, TOPK, K, F = 256, 6, 4096, 2048
+LAYERS, REPS, WARMUP = 6, 25, 3
+BATCHES = (1, 8, 32)
+CLAMP = 10.0
+# (label, config); the first of each list is the current default
+GU = [("current", moe.GATE_UP)] + [
+    (f"int8 bn{bn} w{w}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d))
+    for bn, w, d in ((8, 4, True), (16, 4, True), (32, 8, True), (16, 4, False))
+]
+DOWN = [("current", moe.DOWN)] + [
+    (f"int8 bn{bn} w{w}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d))
+    for bn, w, d in ((16, 4, True), (32, 4, True), (64, 8, True), (32, 4, False))
+]
+DEV = torch.device("cuda")
+GEN: torch.Generator  # seeded in main()
+LOG: list[str] = []
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def packed(qtype, shape):
+    return pack(random_blocks(qtype, shape, std=0.02, generator=GEN), qtype, shape)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def rand_ids(b: int) -> torch.Tensor:
+    """[b, 6] int32: distinct experts per row, as a router picks them."""
+    return torch.rand(b, E, device=DEV, generator=GEN).argsort(1)[:, :TOPK].int().contiguous()
+
+
+def time_calls(calls) -> tuple[float, str]:
+    """Median seconds per call of the list `calls` (run in order), from a CUDA graph of all of them."""
+    for c in calls:  # compile, warm up allocator
+        c()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        run, how = graph.replay, "graph"
+    except Exception as exc:  # noqa: BLE001 - report and time eagerly instead
+        say(f"    (graph capture failed: {type(exc).__name__}: {exc}; timing eager launches)")
+
+        def run():
+            for c in calls:
+                c()
+
+        how = "eager"
+    for _ in range(WARMUP):
+        run()
+    ts = []
+    for _ in range(REPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3 / len(calls))
+    return statistics.median(ts), how
+
+
+def check(b: int, small) -> dict[str, tuple[float, float | None]]:
+    """{'gu|dn label': (err vs f32 ref, err vs int twin or None)}; a variant that raises is reported and left
+    out."""
+    wg, wu, wd = small
+    ids = rand_ids(b) % 8
+    x = torch.randn(b, K, device=DEV, generator=GEN)
+    mid = torch.randn(b, TOPK, F, device=DEV, generator=GEN)
+    rw = torch.rand(b, TOPK, device=DEV, generator=GEN)
+    want_gu, want_d = ref.moe_gate_up(x, wg, wu, ids, CLAMP), ref.moe_down(mid, rw, wd, ids)
+    twin_gu, twin_d = ref.moe_gate_up_q8k(x, wg, wu, ids, CLAMP), ref.moe_down_q8k(mid, rw, wd, ids)
+    out: dict[str, tuple[float, float | None]] = {}
+    for op, variants in (("gu", GU), ("dn", DOWN)):
+        for label, cfg in variants:
+            try:
+                if op == "gu":
+                    got, want, twin = moe.moe_gate_up(x, wg, wu, ids, CLAMP, cfg), want_gu, twin_gu
+                else:
+                    got, want, twin = moe.moe_down(mid, rw, wd, ids, cfg), want_d, twin_d
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
+                say(f"  {op} {label}: FAILED: {type(exc).__name__}: {str(exc)[:600]}")
+                continue
+            out[f"{op} {label}"] = (rel_err(got, want), rel_err(got, twin) if cfg.int8 else None)
+    return out
+
+
+def main() -> None:
+    global GEN
+    GEN = torch.Generator(DEV).manual_seed(0)
+    t0 = time.time()
+    say(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    layers = [(packed(IQ2, (E, F, K)), packed(IQ2, (E, F, K)), packed(Q2K, (E, K, F))) for _ in range(LAYERS)]
+    small = (packed(IQ2, (8, F, K)), packed(IQ2, (8, F, K)), packed(Q2K, (8, K, F)))
+    gu_expert = 2 * layers[0][0].nbytes() / E  # gate + up bytes of one expert
+    d_expert = layers[0][2].nbytes() / E
+    say(f"{LAYERS} layers built in {time.time() - t0:.1f} s; per expert: gate+up {gu_expert / 1e6:.2f} MB, "
+        f"down {d_expert / 1e6:.2f} MB")  # fmt: skip
+    best: dict[str, dict[str, str]] = {}
+    for b in BATCHES:
+        if time.time() - t0 > 90:
+            say(f"B = {b}: skipped (time budget)")
+            continue
+        errs = check(b, small)
+        ids = [rand_ids(b) for _ in range(LAYERS)]
+        x = [torch.randn(b, K, device=DEV, generator=GEN) for _ in range(LAYERS)]
+        mid = [torch.randn(b, TOPK, F, device=DEV, generator=GEN) for _ in range(LAYERS)]
+        rw = [torch.rand(b, TOPK, device=DEV, generator=GEN) for _ in range(LAYERS)]
+        uniq = statistics.mean(len(set(i.reshape(-1).tolist())) for i in ids)  # distinct experts per call
+        say(f"B = {b}: {b * TOPK} pairs, {uniq:.1f} distinct experts per layer")
+        say(f"  {'kernel':26s} {'us/call':>9s} {'TB/s':>6s}  {'err vs f32 ref':>14s} {'vs int twin':>11s}")
+        rows: dict[str, dict[str, float]] = {"gu": {}, "dn": {}}
+        for op, variants, nbytes in (("gu", GU, gu_expert), ("dn", DOWN, d_expert)):
+            for label, cfg in variants:
+                if f"{op} {label}" not in errs:
+                    continue  # failed its check
+                if op == "gu":
+                    calls = [
+                        partial(moe.moe_gate_up, x[i], layers[i][0], layers[i][1], ids[i], CLAMP, cfg)
+                        for i in range(LAYERS)
+                    ]
+                else:
+                    calls = [
+                        partial(moe.moe_down, mid[i], rw[i], layers[i][2], ids[i], cfg) for i in range(LAYERS)
+                    ]
+                try:
+                    t, how = time_calls(calls)
+                except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
+                    say(f"  {op} {label:23s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                rows[op][label] = t
+                e_ref, e_twin = errs[f"{op} {label}"]
+                twin = f"{e_twin:11.1e}" if e_twin is not None else " " * 11
+                say(f"  {op} {label:23s} {t * 1e6:9.1f} {uniq * nbytes / t / 1e12:6.2f}  {e_ref:14.1e} {twin}"
+                    f"{'' if how == 'graph' else ' (eager)'}")  # fmt: skip
+        cur = rows["gu"].get("current", 0.0) + rows["dn"].get("current", 0.0)
+        int8 = {op: {k: v for k, v in r.items() if k != "current"} for op, r in rows.items()}
+        if all(int8.values()):
+            bg = min(int8["gu"], key=int8["gu"].get)
+            bd = min(int8["dn"], key=int8["dn"].get)
+            new = int8["gu"][bg] + int8["dn"][bd]
+            say(f"  per layer: current {cur * 1e6:.1f} us, best int8 {new * 1e6:.1f} us ({bg} / {bd}); "
+                f"x43 layers: {cur * 43e3:.2f} -> {new * 43e3:.2f} ms per token")  # fmt: skip
+            best[str(b)] = {"gate_up": bg, "down": bd}
+    say(f"total {time.time() - t0:.0f} s")
+    out = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if out:
+        Path(out[0]).mkdir(parents=True, exist_ok=True)
+        Path(out[0], "bench_moe.txt").write_text("\n".join(LOG) + "\n")
+        Path(out[0], "bench_moe.json").write_text(json.dumps(best, indent=1))
+
+
+if __name__ == "__main__":
+    main()
