@@ -1,0 +1,174 @@
+"""Batched decode on the GPU (issue 8): correctness against per-session decode, then throughput.
+
+On the H200:   PYTHONPATH=. python tools/gpu/batch_check.py        (about 3-6 minutes)
+
+(a) check: a reduced-depth (4 layers), full-width synthetic Flash q2; 8 sessions prefilled to different
+    positions (indexer selecting, window wrapped, a ratio-128 row completing during the steps); for B = 1, 3,
+    8 the pool sessions decode together with CudaModel.decode_batch (bucket CUDA graphs) while copies decode
+    alone through forward(state, [tok]) (the single-state graph); prints max |dlogit| / std(logits) and the
+    argmax agreement. Bar (cuda_plan.md): <= 2e-2 and the same argmax.
+(b) time: the full synthetic Flash q2; ONE session prefilled to --ctx tokens, copied into B pool sessions;
+    median of 3 runs of --steps batched greedy steps (host argmax per step, as the scheduler does) for each
+    B: step ms, aggregate tok/s, weight GB/s (the bytes one decode step reads x steps/s). B = 1 goes through
+    the single-state graph (what decode_batch does for one session); "1*" is the batched code at bucket 1.
+(c) peak GPU memory and the KV pool bytes.
+Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from ds4.bench import decode_bytes_per_token, synthetic_model  # noqa: E402
+from ds4.config import FLASH  # noqa: E402
+from ds4.model.cuda.model import BatchRunner  # noqa: E402
+from ds4.model.cuda.state import session_nbytes  # noqa: E402
+
+REL_TOL = 2e-2
+CHECK_LENGTHS = [2100, 700, 125, 5, 1500, 2600, 64, 1027]  # positions of the 8 check sessions
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def prompt_tokens(n: int, vocab: int, salt: int) -> list[int]:
+    return [(i * 7919 + salt * 104729 + 13) % vocab for i in range(n)]
+
+
+def check(batches: list[int], steps: int) -> bool:
+    cfg = replace(FLASH, n_layer=4, compress_ratios=FLASH.compress_ratios[:4])
+    t0 = time.perf_counter()
+    model = synthetic_model("q2", cfg=cfg)
+    print(f"(a) 4-layer full-width synthetic Flash q2 built in {time.perf_counter() - t0:.1f} s")
+    n = max(batches)
+    ctx = max(CHECK_LENGTHS[:n]) + steps + 8
+    base, first = [], []
+    for i in range(n):
+        st = model.new_state(ctx)
+        lg = model.forward(st, prompt_tokens(CHECK_LENGTHS[i], cfg.n_vocab, i))
+        base.append(st)
+        first.append(int(lg.argmax()))
+    pool = model.new_states(n, ctx)
+    alone = [st.clone() for st in base]  # decoded one by one through forward(state, [tok])
+    ok = True
+    print(f"{'B':>3} {'steps':>5} {'max|d|/std':>11} {'argmax':>9}")
+    for B in batches:
+        for i in range(B):
+            pool[i].copy_from(base[i])
+            alone[i].copy_from(base[i])
+        toks, worst, agree = first[:B], 0.0, 0
+        for _ in range(steps):
+            got = model.decode_batch(pool[:B], toks).float()
+            want = torch.stack([model.forward(a, [t]) for a, t in zip(alone[:B], toks, strict=True)]).float()
+            rel = (got - want).abs().amax(-1) / want.std(-1)
+            worst = max(worst, float(rel.max()))
+            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+            toks = want.argmax(-1).tolist()
+        good = worst <= REL_TOL and agree == B * steps
+        ok &= good
+        print(f"{B:>3} {steps:>5} {worst:>11.2e} {agree:>4}/{B * steps:<4} {'ok' if good else 'FAIL'}")
+        same = all(
+            torch.allclose(x, y, atol=1e-2, rtol=1e-2)
+            for a, p in zip(alone[:B], pool[:B], strict=True)
+            for la, lp in zip(a.layers, p.layers, strict=True)
+            for x, y in zip(la.tensors(), lp.tensors(), strict=True)
+        )
+        if not same:
+            print(f"    B={B}: pool state buffers differ from the single-session ones (atol/rtol 1e-2)")
+            ok = False
+    del model, base, pool, alone
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ok
+
+
+def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None:
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = synthetic_model("q2")
+    sync()
+    print(f"(b) full synthetic Flash q2 built in {time.perf_counter() - t0:.1f} s")
+    V = model.cfg.n_vocab
+    alloc = ctx + steps * (repeats + 2) + 8
+    pool = model.new_states(max(batches), alloc)
+    t0 = time.perf_counter()
+    lg = model.forward(pool[0], prompt_tokens(ctx, V, 0))
+    sync()
+    print(f"    prefill of {ctx} tokens: {time.perf_counter() - t0:.1f} s")
+    base, first = pool[0].clone(), int(lg.argmax())
+    step_bytes = decode_bytes_per_token(model)
+    kv = pool[0].pool
+    print(f"{'B':>3} {'step ms':>8} {'agg tok/s':>10} {'weights GB/s':>13}")
+    rows = [(1, False), (1, True)] if 1 in batches else []  # B = 1: single-state graph, then bucket 1
+    rows += [(b, False) for b in batches if b != 1]
+    for B, bucket1 in rows:
+        states = pool[:B]
+        runner = kv.runner = kv.runner or BatchRunner(model, kv)
+
+        def step(toks: list[int], states=states, bucket1=bucket1, runner=runner) -> list[int]:
+            if bucket1:  # the batched code at bucket 1 (decode_batch itself takes the single-state graph)
+                with torch.inference_mode():
+                    lg = runner.step([states[0].slot], toks, [states[0].n_tokens])
+                states[0].n_tokens += 1
+            else:
+                lg = model.decode_batch(states, toks)
+            return lg.argmax(-1).tolist()
+
+        times = []
+        for rep in range(repeats + 1):  # run 0: warm-up (compile, capture the bucket's graph)
+            for s in states:
+                s.copy_from(base)
+            toks = [(first + 7919 * i) % V for i in range(B)]  # distinct streams: different experts
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps if rep else 2):
+                toks = step(toks)
+            sync()
+            if rep:
+                times.append(time.perf_counter() - t0)
+        med = sorted(times)[len(times) // 2]
+        label = "1*" if bucket1 else str(B)
+        gbps = step_bytes * steps / med / 1e9
+        print(f"{label:>3} {1e3 * med / steps:>8.2f} {B * steps / med:>10.1f} {gbps:>13.1f}")
+    n, peak = max(batches), torch.cuda.max_memory_allocated() / 2**30
+    print(
+        f"(c) peak GPU memory {peak:.1f} GiB; KV pool {kv.nbytes() / 2**30:.2f} GiB"
+        f" = ({n} + 1 scratch) x {session_nbytes(model.cfg, alloc) / 2**20:.1f} MiB (ctx {alloc})"
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check-batches", default="1,3,8")
+    p.add_argument("--check-steps", type=int, default=6)
+    p.add_argument("--batches", default="1,8,16,32")
+    p.add_argument("--ctx", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--skip-time", action="store_true")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("batch_check: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    ok = True
+    if not a.skip_check:
+        ok = check([int(b) for b in a.check_batches.split(",")], a.check_steps)
+    if not a.skip_time:
+        time_batches([int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.repeats)
+    print("batch_check:", "all checks ok" if ok else "CHECK FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
