@@ -31,6 +31,7 @@ the truth. Rank 0 sends "exit" when it closes (also at interpreter exit), and th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import sys
@@ -46,6 +47,7 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 _ctrl = None  # gloo group for op records (CPU), set by init() when world > 1
 _leader = None  # rank 0's Leader once wrapped
+_suspended = False  # local_only(): this process computes as if alone
 
 
 class DistError(RuntimeError):
@@ -89,7 +91,29 @@ def init(backend: str | None = None) -> bool:
 
 
 def active() -> bool:
-    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+    """True when a group of several processes is up and the model must shard (not in local_only())."""
+    return not _suspended and tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def local_only():
+    """Inside: models built and run here act as a single process (all experts, no all_reduce), e.g. a
+    one-GPU reference on rank 0 while the other ranks wait for rank 0's next message."""
+    global _suspended
+    saved, _suspended = _suspended, True
+    try:
+        yield
+    finally:
+        _suspended = saved
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's obj, in rank order, on every rank (control group; [obj] for one process)."""
+    if not active():  # one process, or inside local_only()
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj, group=_ctrl)
+    return out
 
 
 def world() -> int:
@@ -102,6 +126,8 @@ def rank() -> int:
 
 def expert_range(n_expert: int, r: int | None = None, n: int | None = None) -> tuple[int, int]:
     """[lo, hi) of the routed experts rank r (default: this rank) of n (default: world) holds."""
+    if r is None and n is None and not active():
+        return 0, n_expert
     r = rank() if r is None else r
     n = world() if n is None else n
     if n_expert % n:
@@ -133,18 +159,31 @@ def _recv() -> Any:
     return box[0]
 
 
-_exit_sent = False
+_exit_sent = False  # rank 0 sent "exit"
+_exit_seen = False  # a follower received it
 
 
 def shutdown() -> None:
-    """Rank 0: tell the followers to exit (once). Every rank: leave the process group."""
+    """The end of a distributed run, on every rank: rank 0 sends "exit" (once), a follower that has not
+    received it yet waits for it (so rank 0 never sends to a closed peer); then leave the process group."""
     global _exit_sent
-    if not active():
+    if not (tdist.is_available() and tdist.is_initialized()):
         return
-    if rank() == 0 and not _exit_sent:
-        _exit_sent = True
-        _send(("exit",))
+    if tdist.get_world_size() > 1:
+        if rank() == 0 and not _exit_sent:
+            _exit_sent = True
+            _send(("exit",))
+        elif rank() > 0:
+            while not _exit_seen:
+                _note_exit(_recv())
     tdist.destroy_process_group()
+
+
+def _note_exit(op: Any) -> Any:
+    global _exit_seen
+    if op[0] == "exit":
+        _exit_seen = True
+    return op
 
 
 def leader_message(obj: Any = None) -> Any:
@@ -155,14 +194,14 @@ def leader_message(obj: Any = None) -> Any:
     if rank() == 0:
         _send(("msg", obj))
         return obj
-    got = _recv()
+    got = _note_exit(_recv())
     if got[0] != "msg":  # rank 0 finished without loading anything (e.g. --inspect), or shut down
         _exit_follower()
     return got[1]
 
 
 def _exit_follower() -> NoReturn:
-    tdist.destroy_process_group()
+    shutdown()
     sys.exit(0)
 
 
@@ -403,7 +442,7 @@ def follow(model: Any) -> str:
     down ("exit"); returns which."""
     ex = Executor(model)
     while True:
-        op = _recv()
+        op = _note_exit(_recv())
         if op[0] in ("end", "exit"):
             return op[0]
         if op[0] == "msg":
@@ -423,10 +462,8 @@ def wrap_or_follow(model: Any) -> Any:
     if rank() == 0:
         _leader = Leader(model)
         return _leader
-    if follow(model) == "end":
-        while _recv()[0] != "exit":  # rank 0 goes on without this model: wait for its shutdown
-            pass
-    _exit_follower()
+    follow(model)
+    _exit_follower()  # after an "end", waits for rank 0's "exit"
 
 
 def torchrun_command(n: int, argv: list[str]) -> list[str]:
