@@ -9,6 +9,9 @@ multiplies each pair's down projection by weights[b, j] before summing over j. B
 sum_j Wd[e_j] @ (w_j * mid_j), the formula of model.md §5.5 (weight applied before the down projection), up to
 f32 rounding.
 
+MoeConfig.int8 (env DS4_MOE_INT8=1: in the defaults) selects the Q8_K integer kernels for IQ2_XXS gate/up and
+Q2_K down: x and mid quantized per 256 values to int8 (the C original's numerics, model.md §14), integer dots.
+
 For larger batches (prefill), sort the pairs by expert with ``group_by_expert`` and use matmul.moe_grouped.
 
 Legend: B rows, k experts per row, K model width (4096), F expert width (2048), E experts, D = down output.
@@ -143,7 +146,7 @@ def _down_kernel(
 # of every matrix per step, each group of x products summed before scaling, 32-bit table words. The guess was
 # that the general dot_rows path is latency-bound at B = 1; on the H200 these were SLOWER (gate+up 132 vs
 # 89 us, down ~62 vs 39-62 us): the IQ2_XXS decode is instruction-bound (~30 ops per weight), so they are off
-# by default (MoeConfig.fast) and kept, tested, as the base for an integer-dot (dp4a-style) version.
+# by default (MoeConfig.fast) and kept, tested; the integer-dot (dp4a) versions follow (MoeConfig.int8).
 
 
 @triton.jit
@@ -500,8 +503,10 @@ class MoeConfig:
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
 # Measured 2026-11-29 on an H200 (Flash widths, 6 of 256 experts, cold L2): general kernels, gate+up bn 8
 # 89 us (bn 16: 115; k-splits 2-8 slower), down bn 32 39-62 us; the dedicated kernels (fast=True) 132 / 62 us.
-GATE_UP = MoeConfig(bn=8, splits=1)
-DOWN = MoeConfig(bn=32, splits=1)
+# Env DS4_MOE_INT8=1: the defaults run the Q8_K integer kernels (A/B of a whole decode step without edits).
+_INT8 = os.environ.get("DS4_MOE_INT8", "0") == "1"
+GATE_UP = MoeConfig(bn=8, splits=1, int8=_INT8)
+DOWN = MoeConfig(bn=32, splits=1, int8=_INT8)
 
 
 def _splits(n_kt: int, want: int) -> tuple[int, int]:
@@ -539,7 +544,10 @@ def quantize_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(R, K, dtype=torch.int8, device=x.device)
     d = torch.empty(R, K // 256, dtype=torch.float32, device=x.device)
     if R:
-        _q8k_quant_kernel[(R, K // 256)](x, q, d, K, x.stride(0), TINY=ref.Q8K_TINY, num_warps=2)
+        # no FMA contraction: x * iscale must round to f32 before the + 1.5 * 2^23 of the rounding (as torch)
+        _q8k_quant_kernel[(R, K // 256)](
+            x, q, d, K, x.stride(0), TINY=ref.Q8K_TINY, num_warps=2, enable_fp_fusion=False
+        )
     return q, d
 
 

@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -38,11 +39,11 @@ LAYERS, REPS, WARMUP = 6, 25, 3
 BATCHES = (1, 8, 32)
 CLAMP = 10.0
 # (label, config); the first of each list is the current default
-GU = [("current", moe.GATE_UP)] + [
+GU = [("current", replace(moe.GATE_UP, int8=False))] + [
     (f"int8 bn{bn} w{w}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d))
     for bn, w, d in ((8, 4, True), (16, 4, True), (32, 8, True), (16, 4, False))
 ]
-DOWN = [("current", moe.DOWN)] + [
+DOWN = [("current", replace(moe.DOWN, int8=False))] + [
     (f"int8 bn{bn} w{w}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d))
     for bn, w, d in ((16, 4, True), (32, 4, True), (64, 8, True), (32, 4, False))
 ]
