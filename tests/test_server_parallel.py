@@ -142,3 +142,41 @@ def test_default_parallel_and_flag() -> None:
     assert default_parallel("cpu", None, gib) == 4
     assert build_parser().parse_args(["--parallel", "3"]).parallel == 3
     assert build_parser().parse_args([]).parallel is None
+
+
+def test_interleaved_conversations_each_continue_on_their_own_session() -> None:
+    """Scripted model, 3 fake sessions: two thinking chats alternate turns; each turn 2 finds its own
+    session through that session's visible-text binding (the client drops the hidden reasoning) and
+    prefills only the new suffix."""
+    from ds4.tokenizer import Tokenizer
+    from ds4.tools.make_model import ensure_tiny_model
+    from tests._server_util import FakeSession, ScriptSource
+
+    tok = Tokenizer.from_gguf(ensure_tiny_model())
+    source = ScriptSource(tok, lambda req: "hidden thoughts</think>echo: " + req.messages[-1].content)
+    sessions = [FakeSession(4096) for _ in range(3)]
+    worker = Worker(tok, sessions, source=source, options=WorkerOptions(ctx=4096))
+    talks = {k: [{"role": "user", "content": f"question about {k}"}] for k in ("a", "b")}
+    placed: dict[str, int] = {}
+    with LiveServer(worker, ServerOptions(ctx=4096)) as srv, httpx.Client(base_url=srv.base, timeout=60) as h:
+
+        def turn(k: str) -> dict:
+            body = {"model": "deepseek-v4-flash", "messages": talks[k]}
+            r = h.post("/v1/chat/completions", json=body).json()
+            talks[k] += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]}]
+            return r
+
+        for k in ("a", "b"):
+            turn(k)
+            placed[k] = source.last_job.stats["session"]
+        assert placed["a"] != placed["b"]
+        for k in ("a", "b"):
+            talks[k].append({"role": "user", "content": f"more on {k}"})
+            before = sessions[placed[k]].stats.prefill_tokens
+            r = turn(k)
+            job = source.last_job
+            assert job.stats["session"] == placed[k] and job.stats["cache_source"] == "thinking-visible"
+            assert r["choices"][0]["message"]["content"] == f"echo: more on {k}"
+            suffix = f"<｜end▁of▁sentence｜><｜User｜>more on {k}<｜Assistant｜><think>"
+            assert sessions[placed[k]].stats.prefill_tokens - before == len(tok.encode_chat(suffix))
+        assert worker.metrics.evictions_total == 0 and sessions[3 - sum(placed.values())].tokens == []
