@@ -237,3 +237,28 @@ def test_scheduler_drives_the_device_model(tiny_model):
     backend.reset(other)
     assert other.state.n_tokens == 0 and other.tokens == []
     assert [t.data_ptr() for t in other.state.layers[2].tensors()] == ptrs
+
+
+def test_kernel_dispatch_path_batch_equals_alone(monkeypatch):
+    """kernels=True on the CPU: packed Q8_0 QLinear (qmatvec / grouped o_a for <= 8 rows) and PackedWeight
+    experts through ds4.kernels' torch twins; the routed experts both as gathered-expert kernels and as
+    grouped GEMMs over the pairs sorted by expert (batch.GROUPED_ROWS)."""
+    from ds4.model.cuda import batch
+    from ds4.model.cuda.weights import QLinear
+    from ds4.tools.make_model import ensure_tiny_model
+
+    m = _model(ensure_tiny_model(), kernels=True)
+    assert isinstance(m.layers[0].w.attn.out_a, QLinear)
+    live = m.new_states(2, 48)
+    for st, n in zip(live, (40, 9), strict=True):
+        m.forward(st, [(i * 7919 + n) % m.cfg.n_vocab for i in range(n)])
+    alone = [st.clone() for st in live]
+    for grouped, tok in ((0, 3), (1, 4)):
+        monkeypatch.setattr(batch, "GROUPED_ROWS", grouped)
+        got = m.decode_batch(live, [tok, tok])
+        want = torch.stack([m.forward(a, [tok]) for a in alone])
+        diff = float((got - want).abs().max())
+        print(f"kernel path, grouped experts {bool(grouped)}: max |dlogit| {diff:.2e}")
+        assert diff <= LOGIT_TOL
+    for a, b in zip(alone, live, strict=True):
+        _assert_states_close(a, b)

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from ds4.bench import decode_bytes_per_token, synthetic_model  # noqa: E402
 from ds4.config import FLASH  # noqa: E402
+from ds4.model.cuda import batch  # noqa: E402
 from ds4.model.cuda.model import BatchRunner  # noqa: E402
 from ds4.model.cuda.state import session_nbytes  # noqa: E402
 
@@ -45,12 +46,21 @@ def prompt_tokens(n: int, vocab: int, salt: int) -> list[int]:
     return [(i * 7919 + salt * 104729 + 13) % vocab for i in range(n)]
 
 
-def check(batches: list[int], steps: int) -> bool:
+def set_grouped(on: bool, pool) -> None:
+    """Routed experts of batched steps as grouped GEMMs (ds4.model.cuda.batch.GROUPED_ROWS) or not; a change
+    drops the pool's bucket graphs (they are recaptured with the other path)."""
+    want = 1 if on else 0
+    if batch.GROUPED_ROWS != want:
+        batch.GROUPED_ROWS = want
+        pool.runner = None
+
+
+def check(batches: list[str], steps: int) -> bool:
     cfg = replace(FLASH, n_layer=4, compress_ratios=FLASH.compress_ratios[:4])
     t0 = time.perf_counter()
     model = synthetic_model("q2", cfg=cfg)
     print(f"(a) 4-layer full-width synthetic Flash q2 built in {time.perf_counter() - t0:.1f} s")
-    n = max(batches)
+    n = max(int(b.rstrip("g")) for b in batches)
     ctx = max(CHECK_LENGTHS[:n]) + steps + 8
     base, first = [], []
     for i in range(n):
@@ -62,7 +72,9 @@ def check(batches: list[int], steps: int) -> bool:
     alone = [st.clone() for st in base]  # decoded one by one through forward(state, [tok])
     ok = True
     print(f"{'B':>3} {'steps':>5} {'max|d|/std':>11} {'argmax':>9}")
-    for B in batches:
+    for label in batches:
+        B, grouped = int(label.rstrip("g")), label.endswith("g")
+        set_grouped(grouped, pool[0].pool)
         for i in range(B):
             pool[i].copy_from(base[i])
             alone[i].copy_from(base[i])
@@ -80,10 +92,8 @@ def check(batches: list[int], steps: int) -> bool:
             toks = want.argmax(-1).tolist()
         good = worst <= REL_TOL and agree + ties == B * steps
         ok &= good
-        tie_note = f" (+{ties} near ties)" if ties else ""
-        print(
-            f"{B:>3} {steps:>5} {worst:>11.2e} {agree:>4}/{B * steps:<4} {'ok' if good else 'FAIL'}{tie_note}"
-        )
+        verdict = ("ok" if good else "FAIL") + (f" (+{ties} near ties)" if ties else "")
+        print(f"{label:>3} {steps:>5} {worst:>11.2e} {agree:>4}/{B * steps:<4} {verdict}")
         state = max(  # informational: FP8/FP4 round trips may flip one step on a tiny difference
             float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
             for a, p in zip(alone[:B], pool[:B], strict=True)
@@ -91,6 +101,7 @@ def check(batches: list[int], steps: int) -> bool:
             for x, y in zip(lp.tensors(), la.tensors(), strict=True)
         )
         print(f"    state buffers vs single-session: max |d| / max |x| = {state:.2e}")
+    set_grouped(False, pool[0].pool)
     del model, base, pool, alone
     gc.collect()
     torch.cuda.empty_cache()
@@ -114,10 +125,12 @@ def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None
     step_bytes = decode_bytes_per_token(model)
     kv = pool[0].pool
     print(f"{'B':>3} {'step ms':>8} {'agg tok/s':>10} {'weights GB/s':>13}")
-    rows = [(1, False), (1, True)] if 1 in batches else []  # B = 1: single-state graph, then bucket 1
-    rows += [(b, False) for b in batches if b != 1]
-    for B, bucket1 in rows:
+    rows = [(1, False, False), (1, True, False)] if 1 in batches else []  # single-state graph, bucket 1
+    rows += [(b, False, False) for b in batches if b != 1]
+    rows += [(b, False, True) for b in batches if b >= 8]  # routed experts as grouped GEMMs
+    for B, bucket1, grouped in rows:
         states = pool[:B]
+        set_grouped(grouped, kv)
         runner = kv.runner = kv.runner or BatchRunner(model, kv)
 
         def step(toks: list[int], states=states, bucket1=bucket1, runner=runner) -> list[int]:
@@ -142,7 +155,7 @@ def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None
             if rep:
                 times.append(time.perf_counter() - t0)
         med = sorted(times)[len(times) // 2]
-        label = "1*" if bucket1 else str(B)
+        label = "1*" if bucket1 else f"{B}g" if grouped else str(B)
         gbps = step_bytes * steps / med / 1e9
         print(f"{label:>3} {1e3 * med / steps:>8.2f} {B * steps / med:>10.1f} {gbps:>13.1f}")
     n, peak = max(batches), torch.cuda.max_memory_allocated() / 2**30
@@ -154,7 +167,7 @@ def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check-batches", default="1,3,8")
+    p.add_argument("--check-batches", default="1,3,8,8g", help="B values; 'g': grouped-GEMM experts")
     p.add_argument("--check-steps", type=int, default=6)
     p.add_argument("--batches", default="1,8,16,32")
     p.add_argument("--ctx", type=int, default=8192)
@@ -168,7 +181,7 @@ def main() -> int:
         return 2
     ok = True
     if not a.skip_check:
-        ok = check([int(b) for b in a.check_batches.split(",")], a.check_steps)
+        ok = check(a.check_batches.split(","), a.check_steps)
     if not a.skip_time:
         time_batches([int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.repeats)
     print("batch_check:", "all checks ok" if ok else "CHECK FAILED")

@@ -14,6 +14,8 @@ The per-token work (projections, HC, router, MoE, head) is batched over the B ro
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ds4.model.attention import AttentionShape, CompressorWeights
@@ -26,6 +28,18 @@ from ds4.model.cuda.weights import Packed, QLinear
 from ds4.model.norm import rms_norm
 from ds4.model.quantsim import indexer_qat
 from ds4.model.state import EMPTY_SCORE
+
+try:  # grouped expert GEMMs (tokens sorted by expert: each selected expert's weights read once per step)
+    from ds4.kernels.matmul import moe_grouped
+    from ds4.kernels.moe import group_by_expert
+except ImportError:  # pragma: no cover - no triton
+    moe_grouped = group_by_expert = None
+
+# Rows from which the routed experts of a batched step run as grouped GEMMs over the (row, slot) pairs
+# sorted by expert (bf16 activations) instead of the gathered-expert matvec kernels, which read an expert
+# once per pair. 0: never. To be set from GPU timings (tools/gpu/batch_check.py times both); env
+# DS4_BATCH_GROUPED_ROWS. Read when a step is built: recapture (a new pool runner) after changing it.
+GROUPED_ROWS = int(os.environ.get("DS4_BATCH_GROUPED_ROWS", "0"))
 
 
 def _pool_rows(cand_kv, cand_score, norm, start, inv_freq, eps: float, n_rot: int, indexer: bool):
@@ -141,6 +155,8 @@ def _routed(xf, ids, weights, m, clamp):
     """Routed experts of B rows: the gathered-expert kernels take [B] rows; the torch Packed path is one row
     at a time (CPU / no kernels)."""
     if not isinstance(m.gate_exps, Packed):
+        if 0 < GROUPED_ROWS <= xf.shape[0] and moe_grouped is not None:
+            return _routed_grouped(xf, ids, weights, m, clamp)
         return routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
     rows = [
         routed_decode(
@@ -149,6 +165,19 @@ def _routed(xf, ids, weights, m, clamp):
         for b in range(xf.shape[0])
     ]
     return torch.cat(rows)
+
+
+def _routed_grouped(xf, ids, weights, m, clamp):
+    """Routed experts of B rows as grouped GEMMs: pairs (row, slot) sorted by expert, no host sync.
+    xf [B, d], ids/weights [B, k] -> [B, d]."""
+    B, k = ids.shape
+    order, offsets = group_by_expert(ids, m.gate_exps.shape[0])  # [B k], [E + 1]
+    rows = order // k  # [B k] source row of each sorted pair
+    xs = xf.index_select(0, rows)  # [B k, d]
+    mid = swiglu_mid(moe_grouped(xs, m.gate_exps, offsets), moe_grouped(xs, m.up_exps, offsets), clamp)
+    mid = mid * weights.reshape(-1).index_select(0, order)[:, None]
+    out = moe_grouped(mid, m.down_exps, offsets)  # [B k, d]
+    return torch.zeros(B, out.shape[1], dtype=torch.float32, device=xf.device).index_add_(0, rows, out)
 
 
 def decode_layer_batch(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, tokens, pos, slot, dtype):
