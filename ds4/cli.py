@@ -495,6 +495,7 @@ def follower_main() -> int:
     from ds4 import dist
     from ds4.engine import Engine
 
+    dist.ignore_interrupts()
     _, path, backend, threads = dist.leader_message()  # exits the process if rank 0 loads nothing
     engine = Engine.open(path, backend=backend, threads=threads)
     dist.wrap_or_follow(engine.model)  # returns only by exiting the process

@@ -34,7 +34,9 @@ import atexit
 import contextlib
 import datetime
 import os
+import signal
 import sys
+import threading
 import weakref
 from typing import Any, NoReturn
 
@@ -453,6 +455,13 @@ def follow(model: Any) -> str:
             pass
 
 
+def ignore_interrupts() -> None:
+    """Followers leave Ctrl+C to rank 0 (the terminal signals every process of the job): rank 0 cancels or
+    exits, and its shutdown then sends "exit"."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def wrap_or_follow(model: Any) -> Any:
     """Call right after loading the model. One process: the model itself. Rank 0: a Leader that mirrors
     every call to the followers. Ranks > 0: run the follower loop, then exit the process (status 0)."""
@@ -462,6 +471,7 @@ def wrap_or_follow(model: Any) -> Any:
     if rank() == 0:
         _leader = Leader(model)
         return _leader
+    ignore_interrupts()
     follow(model)
     _exit_follower()  # after an "end", waits for rank 0's "exit"
 

@@ -162,6 +162,8 @@ def phase(quant: str, graphs: bool, a: argparse.Namespace, prompt: list[int]) ->
     infos = dist.gather_objects(info)
     del model
     free()
+    if RUN["device"] == "cuda":
+        log(f"{quant}: freed, {torch.cuda.memory_allocated() / 1e9:.2f} GB still allocated on this GPU")
     if result is not None:
         result.update(build=t_build, peaks=[i["peak"] for i in infos], weights=[i["weights"] for i in infos])
         log(f"{quant}: prefill {result['prefill_tps']:.0f} tok/s, decode {result['decode_tps']:.2f} tok/s")
