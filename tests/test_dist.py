@@ -6,7 +6,10 @@ fixed scenario. The oracle is the same scenario run in this (single) process: eq
 relative mean the shards + all_reduce reproduce the full expert sum. Both the CPU reference (DS4Model, via
 Engine / Session: prefill, decodes, checkpoint rewind, snapshot restore, reset, decode_batch) and the
 device model's code on the CPU (CudaModel(device="cpu"): sharded weight store, routed_prefill /
-routed_decode masks) are covered.
+routed_decode masks) are covered, the latter twice: Packed stacks (F32 model) and the ds4.kernels
+PackedWeight stacks (Q8_0 model, kernels=True: the fused-kernel decode and the grouped prefill, whose CPU
+fallbacks run the same masking and all_reduce code as on the GPU; DS4_GROUPED_F32=1 selects the grouped
+prefill for float32).
 """
 
 from __future__ import annotations
@@ -51,46 +54,50 @@ def engine_scenario(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def device_scenario(model) -> dict[str, torch.Tensor]:
+def device_scenario(model, tag: str) -> dict[str, torch.Tensor]:
     out = {}
     s = model.new_state(CTX)
-    out["dev_prefill"] = model.forward(s, PROMPT).clone()
+    out[f"{tag}_prefill"] = first = model.forward(s, PROMPT).clone()
     for i in range(2):
-        out[f"dev_decode{i}"] = model.forward(s, [int(out["dev_prefill"].argmax()) + i]).clone()
+        out[f"{tag}_decode{i}"] = model.forward(s, [int(first.argmax()) + i]).clone()
     pool = model.new_states(2, CTX)
     model.forward(pool[0], PROMPT[:5])
     model.forward(pool[1], PROMPT[:3])
-    out["dev_batch"] = model.decode_batch(pool, [11, 22]).clone()
+    out[f"{tag}_batch"] = model.decode_batch(pool, [11, 22]).clone()
     return out
 
 
-def load_device_model(path: str):
+def load_device_model(path: str, kernels: bool):
     from ds4.gguf import open_model
     from ds4.model.cuda import CudaModel, gguf_source
 
     mf = open_model(Path(path))
-    return CudaModel(mf.config, gguf_source(mf), has=mf.has, device="cpu")
+    return CudaModel(mf.config, gguf_source(mf), has=mf.has, device="cpu", kernels=kernels)
 
 
-def worker(model_path: str, out_path: str) -> None:
-    """torchrun entry: every rank loads both models; rank 0 drives the scenarios through Leaders."""
+def worker(model_path: str, q8_path: str, out_path: str) -> None:
+    """torchrun entry: every rank loads the three models; rank 0 drives the scenarios through Leaders."""
     from ds4 import dist
     from ds4.engine import Engine
 
     dist.init("gloo")
     engine = Engine.open(model_path, backend="cpu", threads=1)
-    dev = load_device_model(model_path)
+    dev = load_device_model(model_path, kernels=False)
+    kdev = load_device_model(q8_path, kernels=True)
     n_local = dev.layers[0].w.moe.gate_exps.data.shape[0]
     experts = dist.expert_range(engine.config.n_expert)
     if dist.rank() > 0:
-        dist.follow(engine.model)  # ops of the first model until rank 0 closes it
-        dist.follow(dev)
+        for model in (engine.model, dev, kdev):  # each until rank 0's Leader ends it
+            dist.follow(model)
         dist.shutdown()
         return
     engine.model = dist.Leader(engine.model)
     result = engine_scenario(engine)
     engine.model.end()
-    result.update(device_scenario(dist.Leader(dev)))
+    for model, tag in ((dev, "dev"), (kdev, "kq8")):
+        leader = dist.Leader(model)
+        result.update(device_scenario(leader, tag))
+        leader.end()
     result["n_local"] = torch.tensor(n_local)
     result["experts"] = torch.tensor(experts)
     torch.save(result, out_path)
@@ -104,6 +111,7 @@ def worker(model_path: str, out_path: str) -> None:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["DS4_GROUPED_F32"] = "1"
     env["DS4_LOCK_FILE"] = str(Path(env.get("TMPDIR", "/tmp")) / f"ds4-test-dist-{os.getpid()}.lock")
     return env
 
@@ -117,18 +125,22 @@ def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
-def test_two_processes_equal_single_process_logits(official_gguf, tmp_path):
+def test_two_processes_equal_single_process_logits(official_gguf, official_q8_gguf, tmp_path, monkeypatch):
     from ds4.engine import Engine
 
     out = tmp_path / "dist.pt"
-    proc = _torchrun([str(Path(__file__)), str(official_gguf), str(out)])
+    proc = _torchrun([str(Path(__file__)), str(official_gguf), str(official_q8_gguf), str(out)])
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     got = torch.load(out)
     assert got["experts"].tolist() == [0, 8] and int(got["n_local"]) == 8  # 16 experts: half on rank 0
 
     with Engine.open(official_gguf, backend="cpu", threads=1) as engine:
         want = engine_scenario(engine)
-    want.update(device_scenario(load_device_model(str(official_gguf))))
+    monkeypatch.setenv("DS4_GROUPED_F32", "1")
+    want.update(device_scenario(load_device_model(str(official_gguf), kernels=False), "dev"))
+    kdev = load_device_model(str(official_q8_gguf), kernels=True)
+    assert type(kdev.layers[0].w.moe.gate_exps).__name__ == "PackedWeight"  # the kernels' stacks
+    want.update(device_scenario(kdev, "kq8"))
     diffs = {k: rel_diff(got[k], w) for k, w in want.items()}
     print("max relative logit diff, 2 processes vs 1:", {k: f"{d:.2e}" for k, d in diffs.items()})
     bad = {k: d for k, d in diffs.items() if not d <= REL_TOL}
@@ -213,4 +225,4 @@ def test_weight_store_cuts_this_ranks_experts(monkeypatch):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    worker(sys.argv[1], sys.argv[2], sys.argv[3])
