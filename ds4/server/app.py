@@ -216,7 +216,7 @@ def create_app(worker: Worker, opt: ServerOptions) -> Any:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        alive = worker._thread is not None and worker._thread.is_alive()
+        alive = worker.alive
         return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ds4 import config
+from ds4.engine.stepper import DEFAULT_GATHER_S  # torch-free: --help stays light
 
 EPILOG = f"""\
 Thinking is on (effort high) unless the request disables it (thinking: {{type: disabled}}, think: false,
@@ -18,6 +19,9 @@ and temperature {config.DEFAULT_TEMPERATURE}, top_p {config.DEFAULT_TOP_P}, min_
 are used.
 Disk cache (--kv-disk-dir): a cold prompt of min..cold-max tokens is saved at its system-prompt anchor,
 long sessions every continued-interval tokens (aligned), and the live session when another prompt evicts it.
+Live sessions (--parallel N): a request continues the idle session holding the longest prefix of its prompt,
+else takes an empty one, else evicts the least recently used idle one (saved to the disk cache first); the
+running streams' decode steps are batched. The KV budget is logged at start-up and exported on /metrics.
 """
 
 
@@ -44,6 +48,7 @@ def build_worker(
     *,
     parallel: int | None = None,
     prefill_budget: int | None = None,
+    gather_s: float = DEFAULT_GATHER_S,
     checkpoint: bool = True,
     **worker_kw: Any,
 ) -> tuple[Any, Any]:
@@ -61,7 +66,7 @@ def build_worker(
     if n < 1:
         raise ValueError(f"--parallel must be at least 1, got {n}")
     budget = prefill_budget or (config.PREFILL_CHUNK if n == 1 else PARALLEL_PREFILL_BUDGET)
-    stepper = Stepper(engine.model, prefill_budget=budget)
+    stepper = Stepper(engine.model, prefill_budget=budget, gather_s=gather_s)
     try:
         sessions = engine.sessions(n, ctx, checkpoint=checkpoint, forward=stepper.forward)
     except BaseException:
@@ -129,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="prefill tokens per batched step, so running streams never wait for a whole prompt "
         f"(default {config.PREFILL_CHUNK} with --parallel 1, else {PARALLEL_PREFILL_BUDGET})",
+    )
+    add(
+        "--batch-gather-ms",
+        type=float,
+        default=DEFAULT_GATHER_S * 1000,
+        metavar="MS",
+        help="longest wait of a decode step for the other running streams' tokens (default %(default)s)",
     )
     add("--nothink", action="store_true", help="thinking off for requests that do not ask for it")
     add("--tool-memory-max-ids", type=int, default=config.TOOL_MEMORY_MAX_IDS)
@@ -201,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.ctx,
             parallel=args.parallel,
             prefill_budget=args.prefill_budget,
+            gather_s=max(0.0, args.batch_gather_ms) / 1000,
             options=WorkerOptions(ctx=args.ctx, default_max_tokens=args.tokens, exact_replay=exact),
             kvstore=kv,
             tool_memory=ToolMemory(max_ids=args.tool_memory_max_ids),

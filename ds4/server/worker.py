@@ -274,6 +274,12 @@ class Worker:
             self._thread.join(timeout)
 
     @property
+    def alive(self) -> bool:
+        """The dispatcher runs (and the model thread, when there is a stepper)."""
+        threads_ok = self._thread is not None and self._thread.is_alive()
+        return threads_ok and bool(getattr(self.stepper, "alive", True))
+
+    @property
     def queue_depth(self) -> int:
         return self._queue.qsize() + self._waiting
 
