@@ -337,7 +337,9 @@ class Leader:
         return self._ex.model
 
     def _op(self, kind: str, *args: Any) -> Any:
-        frees, self._frees[:] = list(self._frees), []
+        frees = []
+        while self._frees:  # pop one by one: a finalizer may append while we drain
+            frees.append(self._frees.pop())
         op = (kind, frees, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), *args)
         if _exit_sent or self._ended:
             raise DistError("the followers no longer run this model (ended or shut down)")
