@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_mode="none" if args.nothink else "high",
     )
     try:
-        uvicorn.run(create_app(worker, opt), host=host, port=args.port, log_level="warning")
+        uvicorn.run(create_app(worker, opt), host=host, port=args.port, log_level="warning", lifespan="off")
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl+C after its shutdown: ours follows below
         pass
     finally:
