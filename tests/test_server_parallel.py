@@ -180,3 +180,49 @@ def test_interleaved_conversations_each_continue_on_their_own_session() -> None:
             suffix = f"<｜end▁of▁sentence｜><｜User｜>more on {k}<｜Assistant｜><think>"
             assert sessions[placed[k]].stats.prefill_tokens - before == len(tok.encode_chat(suffix))
         assert worker.metrics.evictions_total == 0 and sessions[3 - sum(placed.values())].tokens == []
+
+
+def test_with_every_session_busy_a_job_waits_for_one() -> None:
+    """Scripted model, 2 fake sessions held mid-decode: a third request waits (queued, not failed) and is
+    served on the session released first."""
+    from ds4.tokenizer import Tokenizer
+    from ds4.tools.make_model import ensure_tiny_model
+    from tests._server_util import FakeSession, ScriptSource
+
+    tok = Tokenizer.from_gguf(ensure_tiny_model())
+    source = ScriptSource(tok, lambda req: "ok")
+    held, release = threading.Semaphore(0), {w: threading.Event() for w in ("a", "b", "c")}
+
+    def gate(job, n: int) -> None:
+        if n == 0:
+            held.release()
+            release[job.request.prompt[-1]].wait(60)
+
+    source.gate = gate
+    worker = Worker(
+        tok, [FakeSession(4096), FakeSession(4096)], source=source, options=WorkerOptions(ctx=4096)
+    )
+    out: dict[str, int] = {}
+    with LiveServer(worker, ServerOptions(ctx=4096)) as srv:
+
+        def ask(w: str) -> None:
+            body = {"model": "deepseek-chat", "prompt": f"word {w}", "max_tokens": 4}
+            out[w] = httpx.post(srv.base + "/v1/completions", json=body, timeout=60).status_code
+
+        threads = {w: threading.Thread(target=ask, args=(w,)) for w in ("a", "b")}
+        for t in threads.values():
+            t.start()
+        assert held.acquire(timeout=60) and held.acquire(timeout=60)  # a and b hold both sessions
+        threads["c"] = threading.Thread(target=ask, args=("c",))
+        threads["c"].start()
+        while worker.queue_depth == 0 and threads["c"].is_alive():
+            threading.Event().wait(0.01)  # c's handler is still tokenizing: wait until it is queued
+        assert worker.busy_sessions == 2 and worker.queue_depth == 1
+        release["b"].set()
+        assert held.acquire(timeout=60)  # c got b's session
+        assert worker.queue_depth == 0
+        release["a"].set()
+        release["c"].set()
+        for t in threads.values():
+            t.join(60)
+    assert out == {"a": 200, "b": 200, "c": 200}
