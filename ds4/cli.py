@@ -468,26 +468,11 @@ def _dist():
 def start_distributed(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     """--gpus N outside torchrun: exec this command under torch.distributed.run with N processes. Inside
     torchrun: join the process group (gloo for --cpu, else NCCL when CUDA is present)."""
-    dist = _dist()
-    if dist is None:
-        if args.gpus and args.gpus > 1:
-            from ds4 import dist as d
+    if _dist() is None and not (args.gpus and args.gpus > 1):
+        return  # the common case: no torch import here
+    from ds4 import dist
 
-            d.relaunch(args.gpus, _without_gpus(list(sys.argv[1:] if argv is None else argv)))
-        return
-    dist.init("gloo" if args.backend == "cpu" else None)
-
-
-def _without_gpus(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--gpus":
-            skip = True
-        elif not a.startswith("--gpus="):
-            out.append(a)
-    return out
+    dist.start(args.gpus, list(sys.argv[1:] if argv is None else argv), "ds4", args.backend)
 
 
 def follower_main() -> int:

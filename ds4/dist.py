@@ -478,14 +478,36 @@ def wrap_or_follow(model: Any) -> Any:
     _exit_follower()  # after an "end", waits for rank 0's "exit"
 
 
-def torchrun_command(n: int, argv: list[str]) -> list[str]:
-    """The command that runs `ds4 argv` as n processes under torch.distributed.run (one per GPU)."""
+def torchrun_command(n: int, argv: list[str], module: str = "ds4") -> list[str]:
+    """The command that runs `python -m module argv` as n processes under torch.distributed.run."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            "-m", "ds4", *argv]  # fmt: skip
+            "-m", module, *argv]  # fmt: skip
 
 
-def relaunch(n: int, argv: list[str]) -> NoReturn:
-    """exec `ds4 argv` under torchrun with n processes, NVLink multicast off (does not return)."""
+def relaunch(n: int, argv: list[str], module: str = "ds4") -> NoReturn:
+    """exec `python -m module argv` under torchrun with n processes, NVLink multicast off (no return)."""
     env = dict(os.environ, **NVLS_OFF)
-    cmd = torchrun_command(n, argv)
+    cmd = torchrun_command(n, argv, module)
     os.execve(cmd[0], cmd, env)
+
+
+def without_flag(argv: list[str], flag: str = "--gpus") -> list[str]:
+    """argv without `flag N` / `flag=N` (the relaunched processes must not relaunch again)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def start(gpus: int | None, argv: list[str], module: str, backend: str | None = None) -> None:
+    """An entry point's first distributed step. Outside torchrun with gpus > 1: re-exec under torchrun
+    (`python -m module argv` minus --gpus). Inside torchrun: init(backend) (gloo for a CPU backend)."""
+    if launched():
+        init("gloo" if backend == "cpu" else None)
+    elif gpus and gpus > 1:
+        relaunch(gpus, without_flag(argv), module)

@@ -174,9 +174,9 @@ def test_expert_range_splits_evenly():
 
 
 def test_gpus_flag_relaunch_command():
-    from ds4 import cli, dist
+    from ds4 import dist
 
-    argv = cli._without_gpus(["-m", "x.gguf", "--gpus", "2", "-p", "hi", "--gpus=4"])
+    argv = dist.without_flag(["-m", "x.gguf", "--gpus", "2", "-p", "hi", "--gpus=4"])
     assert argv == ["-m", "x.gguf", "-p", "hi"]
     cmd = dist.torchrun_command(2, argv)
     assert cmd[1:] == [
@@ -188,6 +188,7 @@ def test_gpus_flag_relaunch_command():
         "ds4",
         *argv,
     ]
+    assert dist.torchrun_command(4, [], "ds4.server.main")[-2:] == ["-m", "ds4.server.main"]
     assert dist.NVLS_OFF["NCCL_NVLS_ENABLE"] == "0"
 
 
