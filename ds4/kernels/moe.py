@@ -346,26 +346,27 @@ def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, TINY: tl.constexpr):
 
 @triton.jit
 def _iq2_q8k_block(qs, sg, dd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.constexpr):
-    """[BN] f32 = (d_w d_x) S of IQ2_XXS super-block kt of rows wrow with the Q8_K words xlo, xhi [8, 4]
-    (elements 0-3 / 4-7 of group 4 sb + l) and scale dx of x."""
-    sb = tl.arange(0, 8)
-    lg = tl.arange(0, 4)
-    grp = sb[:, None] * 4 + lg[None, :]  # [8, 4] group of 8 elements
-    idx = tl.load(qs + wrow[:, None, None] * (nb * 32) + kt * 32 + grp[None, :, :])  # [BN, 8, 4] u8
-    a1 = tl.load(sg + wrow[:, None] * (nb * 8) + kt * 8 + sb[None, :])  # [BN, 8] int32
+    """[BN] f32 = (d_w d_x) S of IQ2_XXS super-block kt of rows wrow with the Q8_K words xlo, xhi [1, 8, 4]
+    (elements 0-3 / 4-7 of group 4 sb + l) and scale dx of x. All tiles are 3-D [BN, 8 sb, 4 l] (a1 loaded
+    [BN, 8, 1] and broadcast), so that no layout conversion sits between the loads and the reductions."""
+    sb = tl.arange(0, 8)[None, :, None]
+    lg = tl.arange(0, 4)[None, None, :]
+    w3 = wrow[:, None, None]
+    idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)  # [BN, 8, 4] u8 grid index
+    a1 = tl.load(sg + w3 * (nb * 8) + kt * 8 + sb)  # [BN, 8, 1] int32 sub-block word
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)  # [BN]
     row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows (one 8-byte gather per group)
     lo = row.to(tl.int32)  # bytes 0-3 (truncation)
     hi = (row >> 32).to(tl.int32)  # bytes 4-7
-    s = (a1[:, :, None] >> (7 * lg)[None, None, :]) & 127  # [BN, 8, 4] sign index
+    s = (a1 >> (7 * lg)) & 127  # [BN, 8, 4] sign index
     p = s ^ (s >> 4)
     p = p ^ (p >> 2)
     p = p ^ (p >> 1)
     signs = s | ((p & 1) << 7)  # KSIGNS[s]: bit j negates element j
-    dot = _dot4(_sign_bytes(lo, signs & 15), xlo[None, :, :], 0, DP4A)
-    dot = _dot4(_sign_bytes(hi, signs >> 4), xhi[None, :, :], dot, DP4A)
-    isum = tl.sum(dot, axis=2)  # [BN, 8] per sub-block
-    S = tl.sum(isum * (2 * ((a1 >> 28) & 15) + 1), axis=1)  # [BN] int32 (|S| < 2^26)
+    dot = _dot4(_sign_bytes(lo, signs & 15), xlo, 0, DP4A)
+    dot = _dot4(_sign_bytes(hi, signs >> 4), xhi, dot, DP4A)
+    isum = tl.sum(dot, axis=2, keep_dims=True)  # [BN, 8, 1] per sub-block
+    S = tl.sum(tl.sum(isum * (2 * ((a1 >> 28) & 15) + 1), axis=2), axis=1)  # [BN] int32 (|S| < 2^26)
     return (d * dx) * S.to(tl.float32)
 
 
@@ -403,7 +404,7 @@ def _iq2_q8k_gate_up_kernel(
     nb = K // 256
     b = (pair // n_slots).to(tl.int64)
     xo = xw_ptr + b * (K // 4)
-    xg = (tl.arange(0, 8)[:, None] * 4 + tl.arange(0, 4)[None, :]) * 2  # [8, 4] first word of each group
+    xg = (tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]) * 2  # [1, 8, 4] group's x word
     lo = pid_s * kt_per_split
     hi = tl.minimum(lo + kt_per_split, nb)
     acc_g = tl.zeros([BN], dtype=tl.float32)
