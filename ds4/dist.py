@@ -38,6 +38,7 @@ import signal
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -200,6 +201,14 @@ def leader_message(obj: Any = None) -> Any:
     if got[0] != "msg":  # rank 0 finished without loading anything (e.g. --inspect), or shut down
         _exit_follower()
     return got[1]
+
+
+def on_leader(fn: Callable[[], Any]) -> Any:
+    """fn() on rank 0 only; every rank returns its result (e.g. resolve or build a model path once, so the
+    ranks do not race to build it). One process: fn()."""
+    if not active():
+        return fn()
+    return leader_message(fn() if rank() == 0 else None)
 
 
 def _exit_follower() -> NoReturn:

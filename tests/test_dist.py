@@ -169,6 +169,7 @@ def test_expert_range_splits_evenly():
     assert [dist.expert_range(256, r, 2) for r in range(2)] == [(0, 128), (128, 256)]
     assert dist.expert_range(256, 3, 8) == (96, 128)
     assert dist.expert_range(16) == (0, 16)  # no process group: everything
+    assert dist.on_leader(lambda: "path") == "path" and dist.gather_objects(3) == [3]
     with pytest.raises(dist.DistError, match="256 routed experts do not split evenly over 3"):
         dist.expert_range(256, 0, 3)
 
