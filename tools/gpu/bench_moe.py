@@ -1,6 +1,7 @@
 """Routed-expert decode kernels at Flash shapes: current (f32 dequant) vs Q8_K integer (MoeConfig.int8).
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]        (< 2 minutes)
+Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe.py --compile-only   (sm_90 build, SASS per weight)
 
 Flash widths (K = 4096, F = 2048, 256 experts, 6 per row), IQ2_XXS gate/up and Q2_K down, random valid blocks
 built on the GPU (ds4.quant.random_blocks + ds4.kernels.packing.pack), B = 1, 8, 32 rows.
@@ -128,7 +129,161 @@ def check(b: int, small) -> dict[str, tuple[float, float | None]]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# --compile-only (any machine, no GPU): compile the kernels for sm_90 with the ptxas bundled in Triton, count
+# the SASS instructions of their k loop per weight (per thread per iteration / weights a thread covers).
+
+_GU_SIG = {"gq": "*u8", "gs": "*i32", "gd": "*fp16", "uq": "*u8", "us": "*i32", "ud": "*fp16"}
+_COMMON_GU = {
+    "ids_ptr": "*i32",
+    "out_ptr": "*fp32",
+    "n_slots": "i32",
+    "F": "i32",
+    "K": "i32",
+    "clamp": "fp32",
+}
+
+
+def _compile(fn, sig: dict[str, str], consts: dict, warps: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    full = {n: sig.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if full[n].startswith("*")}
+    src = ASTSource(fn, signature=full, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def _sass_loop(cubin: bytes) -> tuple[str, int, int]:
+    """(register line, instructions in the innermost backward-branch loop, barriers in it)."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    regs = next((t for t in usage.split() if t.startswith("REG:")), "REG:?")
+    ops = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\d+\s+)?([A-Z0-9_]+)(.*)", line)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in ops:
+        tgt = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if tgt and int(tgt.group(1), 16) < addr:
+            loops.append((int(tgt.group(1), 16), addr))
+    if not loops:
+        return regs, 0, 0
+    lo, hi = min(loops, key=lambda ab: ab[1] - ab[0])
+    body = [op for addr, op, _ in ops if lo <= addr <= hi]
+    return regs, len(body), body.count("BAR")
+
+
+def compile_only() -> None:
+    from ds4.kernels.matvec import sub_width
+
+    say(f"triton {triton.__version__}: sm_90 compile, SASS per weight in the k loop")
+    w_iq2 = pack(random_blocks(IQ2, (1, 256), std=0.02, generator=torch.Generator()), IQ2, (1, 256))
+    w_q2k = pack(random_blocks(Q2K, (1, 256), std=0.02, generator=torch.Generator()), Q2K, (1, 256))
+    runs = []
+    for bn, w in ((8, 4), (16, 4), (32, 8)):
+        cur_sig = {
+            "x_ptr": "*fp32",
+            "g0": "*u8",
+            "g1": "*i32",
+            "g2": "*fp16",
+            "g3": "*i64",
+            "u0": "*u8",
+            "u1": "*i32",
+            "u2": "*fp16",
+            "u3": "*i64",
+            "stride_x": "i32",
+            "kt_per_split": "i32",
+            **_COMMON_GU,
+        }
+        consts = {"QT": 16, "BN": bn, "TK": 256, "SW": sub_width(w_iq2, 256), "CLAMP": True, "SPLIT": False}
+        runs.append((f"gu current bn{bn} w{w}", moe._gate_up_kernel, cur_sig, consts, w, 2 * bn * 256))
+        int_sig = {
+            "xw_ptr": "*i32",
+            "dx_ptr": "*fp32",
+            "tab64": "*i64",
+            "kt_per_split": "i32",
+            **_GU_SIG,
+            **_COMMON_GU,
+        }
+        for d in (True, False):
+            consts = {"BN": bn, "CLAMP": True, "SPLIT": False, "DP4A": d}
+            runs.append(
+                (
+                    f"gu int8 bn{bn} w{w}{'' if d else ' int32'}",
+                    moe._iq2_q8k_gate_up_kernel,
+                    int_sig,
+                    consts,
+                    w,
+                    2 * bn * 256,
+                )
+            )
+    for bn, w in ((16, 4), (32, 4), (64, 8)):
+        cur_sig = {
+            "mid_ptr": "*fp32",
+            "w0": "*u8",
+            "w1": "*u8",
+            "w2": "*fp16",
+            "w3": "*u8",
+            "ids_ptr": "*i32",
+            "rw_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "D": "i32",
+            "F": "i32",
+            "kt_per_split": "i32",
+        }
+        consts = {"QT": 10, "BN": bn, "TK": 256, "SW": sub_width(w_q2k, 256)}
+        runs.append((f"dn current bn{bn} w{w}", moe._down_kernel, cur_sig, consts, w, bn * 256))
+        int_sig = {
+            "xw_ptr": "*i32",
+            "dx_ptr": "*fp32",
+            "qw": "*i32",
+            "sc": "*u8",
+            "dm": "*fp16",
+            "ids_ptr": "*i32",
+            "rw_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "D": "i32",
+            "F": "i32",
+            "kt_per_split": "i32",
+        }
+        for d in (True, False):
+            runs.append(
+                (
+                    f"dn int8 bn{bn} w{w}{'' if d else ' int32'}",
+                    moe._q2k_q8k_down_kernel,
+                    int_sig,
+                    {"BN": bn, "DP4A": d},
+                    w,
+                    bn * 256,
+                )
+            )
+    for label, fn, sig, consts, warps, weights in runs:
+        try:
+            regs, n, bars = _sass_loop(_compile(fn, sig, consts, warps).asm["cubin"])
+        except Exception as exc:  # noqa: BLE001 - report every kernel
+            say(f"  {label:26s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+            continue
+        per = n / (weights / (32 * warps)) if n else float("nan")
+        say(f"  {label:26s} {regs:8s} loop {n:4d} instr/thread ({bars} BAR): {per:5.2f} per weight")
+
+
 def main() -> None:
+    if "--compile-only" in sys.argv:
+        compile_only()
+        return
     global GEN
     GEN = torch.Generator(DEV).manual_seed(0)
     t0 = time.time()
