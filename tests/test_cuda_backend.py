@@ -169,11 +169,12 @@ def _round_trips_off(monkeypatch) -> dict[str, int]:
     its torch path and the kernel twins it runs on the CPU); returns call counts, to show each site is live.
 
     Why: they are steps (FP8 E4M3 keeps 3 mantissa bits, FP4 E2M1 1), so two float32 implementations whose
-    inputs to them differ by one ulp (summation order: it depends on the CPU's SIMD width, e.g. AVX2 here vs
-    AVX-512 on the device machine) round some element to the neighbouring step (0.25 at |x| ~ 4), and the
-    indexer top-k then picks other rows downstream. Measured with the round trips on (same code, same torch):
-    tiny q2 seed 3 gives 3.8e-5 on AVX2 and 9.97e-2 on the H200 host; seed 4 gives 1.3e-1 on AVX2 and 1.9e-6
-    with ATEN_CPU_CAPABILITY=default. With them off, 16 seed/prompt cases agree within 5e-6.
+    inputs to them differ by one ulp (summation order, which depends on the SIMD width of torch's CPU kernels:
+    AVX2 here, likely AVX-512 on the device host; tools/gpu/diag_t211.py checks) round some element to the
+    neighbouring step (0.25 at |x| ~ 4), and the indexer top-k then picks other rows downstream. Measured
+    with them on (same code; torch 2.11 and 2.13 alike): seed 3 gives 3.8e-5 on AVX2 and 9.97e-2 on the H200
+    host; seed 4 gives 1.3e-1 on AVX2 and 1.9e-6 with ATEN_CPU_CAPABILITY=default. With them off, 16
+    seed/prompt cases agree within 5e-6.
     """
     import ds4.kernels.ref as kernel_ref
     import ds4.model.attention as attention
