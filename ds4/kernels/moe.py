@@ -346,9 +346,9 @@ def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, TINY: tl.constexpr):
 
 @triton.jit
 def _iq2_q8k_block(qs, sg, dd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.constexpr):
-    """[BN] f32 = (d_w d_x) S of IQ2_XXS super-block kt of rows wrow with the Q8_K words xlo, xhi [1, 8, 4]
-    (elements 0-3 / 4-7 of group 4 sb + l) and scale dx of x. All tiles are 3-D [BN, 8 sb, 4 l] (a1 loaded
-    [BN, 8, 1] and broadcast), so that no layout conversion sits between the loads and the reductions."""
+    """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g q per group 4 sb + l of IQ2_XXS super-block kt of rows
+    wrow, with the Q8_K words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group) and scale dx of x. The
+    caller accumulates these per lane and reduces once after its k loop (in-loop reductions cost barriers)."""
     sb = tl.arange(0, 8)[None, :, None]
     lg = tl.arange(0, 4)[None, None, :]
     w3 = wrow[:, None, None]
@@ -365,9 +365,8 @@ def _iq2_q8k_block(qs, sg, dd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.const
     signs = s | ((p & 1) << 7)  # KSIGNS[s]: bit j negates element j
     dot = _dot4(_sign_bytes(lo, signs & 15), xlo, 0, DP4A)
     dot = _dot4(_sign_bytes(hi, signs >> 4), xhi, dot, DP4A)
-    isum = tl.sum(dot, axis=2, keep_dims=True)  # [BN, 8, 1] per sub-block
-    S = tl.sum(tl.sum(isum * (2 * ((a1 >> 28) & 15) + 1), axis=2), axis=1)  # [BN] int32 (|S| < 2^26)
-    return (d * dx) * S.to(tl.float32)
+    scaled = dot * (2 * ((a1 >> 28) & 15) + 1)  # |.| <= 8 * 43 * 127 * 31 < 2^24: exact as f32
+    return (d * dx)[:, None, None] * scaled.to(tl.float32)
 
 
 @triton.jit
@@ -407,16 +406,16 @@ def _iq2_q8k_gate_up_kernel(
     xg = (tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]) * 2  # [1, 8, 4] group's x word
     lo = pid_s * kt_per_split
     hi = tl.minimum(lo + kt_per_split, nb)
-    acc_g = tl.zeros([BN], dtype=tl.float32)
-    acc_u = tl.zeros([BN], dtype=tl.float32)
+    acc_g = tl.zeros([BN, 8, 4], dtype=tl.float32)  # per-lane partial sums, reduced after the loop
+    acc_u = tl.zeros([BN, 8, 4], dtype=tl.float32)
     for kt in range(lo, hi):
         xlo = tl.load(xo + kt * 64 + xg)
         xhi = tl.load(xo + kt * 64 + xg + 1)
         dx = tl.load(dx_ptr + b * nb + kt)
         acc_g += _iq2_q8k_block(gq, gs, gd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A)
         acc_u += _iq2_q8k_block(uq, us, ud, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A)
-    acc_g = acc_g * 0.125
-    acc_u = acc_u * 0.125
+    acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
+    acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
     if SPLIT:
         n_pairs = tl.num_programs(1)
         base = out_ptr + (pid_s.to(tl.int64) * 2 * n_pairs + pair) * F
@@ -465,20 +464,23 @@ def _q2k_q8k_down_kernel(
     xo = xw_ptr + pair.to(tl.int64) * (F // 4)
     lo = pid_s * kt_per_split
     hi = tl.minimum(lo + kt_per_split, nb)
-    acc = tl.zeros([BN], dtype=tl.float32)
+    acc = tl.zeros(
+        [BN, 4, 4], dtype=tl.float32
+    )  # per (row, group of 16) partial sums, reduced after the loop
     for kt in range(lo, hi):
         xw = tl.load(xo + kt * 64 + xcol)  # [4c, 4t, 4jj] int32: 4 int8 x each
         dx = tl.load(dx_ptr + pair.to(tl.int64) * nb + kt)
         w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
         q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
-        qx = tl.sum(_dot4(q, xw[None, :, :, :], 0, DP4A), axis=3)  # [BN, 4c, 4t]
+        qx = tl.sum(_dot4(q, xw[None, :, :, :], 0, DP4A), axis=3)  # [BN, 4c, 4t] sum of 16 q x
         xs = tl.sum(_dot4(ones, xw, 0, DP4A), axis=2)  # [4c, 4t] sum of 16 x
         s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
-        isum = tl.sum(tl.sum((s8 & 15) * qx, axis=2), axis=1)  # [BN]
-        msum = tl.sum(tl.sum((s8 >> 4) * xs[None, :, :], axis=2), axis=1)
-        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)
-        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)
-        acc += (d * dx) * isum.to(tl.float32) - (dmin * dx) * msum.to(tl.float32)
+        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
+        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
+        acc += (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
+            tl.float32
+        )
+    acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
     tl.store(out + n, acc * rw, mask=n < D)
 
