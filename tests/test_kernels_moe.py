@@ -16,7 +16,7 @@ import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import matmul, matvec, moe, ref
-from ds4.kernels.moe import _dot4, _sign_bytes
+from ds4.kernels.moe import _dot4, _iq2_sign_masks, _negate_bytes
 from ds4.kernels.packing import pack
 from ds4.model.moe import swiglu
 from ds4.quant import GGMLType, dequantize, random_blocks
@@ -340,21 +340,24 @@ def test_q8k_twin_vs_numpy_and_dequant(qtype):
         assert diff.max() > 0  # the test can see quantization
 
 
-def _sign_bytes_torch(w: torch.Tensor, s4: torch.Tensor) -> torch.Tensor:
-    """The word arithmetic of moe._sign_bytes on int64 holding uint32 words."""
-    b = (s4 * 0x204081) & 0x01010101
-    m = ((b << 8) - b) & 0xFFFFFFFF
-    return ((w ^ m) + b) & 0xFFFFFFFF
+def _negate_bytes_torch(w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The word arithmetic of moe._negate_bytes on int64 holding uint32 words."""
+    return ((w ^ m) + (m & 0x01010101)) & 0xFFFFFFFF
+
+
+def _byte_mask(bits4: torch.Tensor) -> torch.Tensor:
+    """4 sign bits -> uint32 (in int64) with 0xFF in byte j where bit j is set."""
+    return sum(((bits4 >> j) & 1) * (0xFF << (8 * j)) for j in range(4))
 
 
 def _all_signed_words() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every (grid row, sign index): grid words lo, hi [256*128] (uint32 in int64), sign nibbles lo, hi."""
+    """Every (grid row, sign index): grid words lo, hi [256*128] (uint32 in int64) and their byte masks."""
     words = torch.tensor(IQ2XXS_GRID, dtype=torch.int64)
     lo, hi = words & 0xFFFFFFFF, words >> 32  # grid bytes are < 128: the u64 is a non-negative int64
     signs = torch.from_numpy(_KSIGNS_NP)
     lo, hi = lo.repeat_interleave(128), hi.repeat_interleave(128)
     s = signs.repeat(256)
-    return lo, hi, s & 15, s >> 4
+    return lo, hi, _byte_mask(s & 15), _byte_mask(s >> 4)
 
 
 def _want_signed_bytes() -> torch.Tensor:
@@ -365,10 +368,13 @@ def _want_signed_bytes() -> torch.Tensor:
 
 
 def test_sign_bytes_word_arithmetic_exhaustive():
-    lo, hi, s_lo, s_hi = _all_signed_words()
-    got = torch.stack([_sign_bytes_torch(lo, s_lo), _sign_bytes_torch(hi, s_hi)], 1)  # [n, 2] uint32
-    got8 = got.to(torch.int32).view(torch.int8)  # wraps to the same bits (little-endian bytes)
-    assert torch.equal(got8.reshape(-1, 8), _want_signed_bytes())
+    lo, hi, m_lo, m_hi = _all_signed_words()
+    got = torch.stack([_negate_bytes_torch(lo, m_lo), _negate_bytes_torch(hi, m_hi)], 1)  # [n, 2] uint32
+    got = torch.where(got >= 2**31, got - 2**32, got).to(torch.int32)
+    assert torch.equal(got.view(torch.int8).reshape(-1, 8), _want_signed_bytes())
+    # the kernels' mask table: the same masks, one int64 (lo | hi << 32) per sign index
+    table = _iq2_sign_masks(torch.device("cpu"))
+    assert torch.equal(table, m_lo[:128] | (m_hi[:128] << 32))  # int64 shift wraps to the same bits
 
 
 def test_q2k_byte_extract_exhaustive():
@@ -387,22 +393,23 @@ def test_q2k_byte_extract_exhaustive():
 
 @triton.jit
 def _word_ops_kernel(
-    w_ptr, s_ptr, a_ptr, b_ptr, signed_ptr, dot_ptr, BLOCK: tl.constexpr, DP4A: tl.constexpr
+    w_ptr, m_ptr, a_ptr, b_ptr, signed_ptr, dot_ptr, BLOCK: tl.constexpr, DP4A: tl.constexpr
 ):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(signed_ptr + i, _sign_bytes(tl.load(w_ptr + i), tl.load(s_ptr + i)))
+    tl.store(signed_ptr + i, _negate_bytes(tl.load(w_ptr + i), tl.load(m_ptr + i)))
     tl.store(dot_ptr + i, _dot4(tl.load(a_ptr + i), tl.load(b_ptr + i), 7, DP4A))
 
 
 @pytest.mark.parametrize("dp4a", [False, pytest.param(True, marks=pytest.mark.cuda)], ids=["int32", "dp4a"])
 def test_word_helpers_in_triton(dp4a):
-    """moe._sign_bytes on every (grid row, sign pattern) and moe._dot4 on random and extreme words."""
+    """moe._negate_bytes on every (grid row, sign pattern) and moe._dot4 on random and extreme words."""
     assert CUDA or not dp4a
-    lo, hi, s_lo, s_hi = _all_signed_words()
+    lo, hi, m_lo, m_hi = _all_signed_words()
     n = lo.numel() * 2  # 65536
     w = torch.stack([lo, hi], 1).reshape(-1)
     w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
-    s = torch.stack([s_lo, s_hi], 1).reshape(-1).to(torch.int32)
+    s = torch.stack([m_lo, m_hi], 1).reshape(-1)
+    s = torch.where(s >= 2**31, s - 2**32, s).to(torch.int32)
     gen = torch.Generator().manual_seed(33)
     a = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
     b = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4.quant.tables import KSIGNS
 from ds4.quant.types import GGMLType
 
 from . import ref
@@ -292,7 +293,8 @@ def _q2k_down_kernel(
 # (PTX; DP4A=False: the same sum in plain int32 ops, which Triton's interpreter can run). Integer sums per
 # (sub-)block, f32 scaling per super-block in the order of ref.q8k_matvec_row (the twin).
 #   IQ2_XXS: a group of 8 = grid row (magnitudes 8/25/43 as bytes: words lo, hi) + 8 sign bits (7 stored +
-#            parity); signs are applied to whole words (_sign_bytes), so a group costs 2 dp4a.
+#            parity), looked up as a byte mask (_iq2_sign_masks) and applied to whole words (_negate_bytes),
+#            so a group costs 2 table gathers (L1), 2 x (xor, and, add) and 2 dp4a.
 #   Q2_K:    (word >> 2t) & 0x03030303 = 4 quants as bytes; per 16 values I += sc * sum q x, M += m * sum x.
 
 
@@ -312,13 +314,11 @@ def _dot4(a, b, c, DP4A: tl.constexpr):
 
 
 @triton.jit
-def _sign_bytes(w, s4):
-    """Negate byte i of int32 word w where bit i of s4 (0..15) is set. Bits spread to bytes by a carry-free
-    multiply (0x204081 = 1 + 2^7 + 2^14 + 2^21); then (w ^ m) + (m & 1s) is a per-byte two's complement
-    negation with no carry between bytes because every byte of w is >= 1 (grid magnitudes 8/25/43)."""
-    b = (s4 * 0x204081) & 0x01010101  # 0x01 in byte i iff bit i
-    m = (b << 8) - b  # 0xFF in those bytes (wraps in int32)
-    return (w ^ m) + b
+def _negate_bytes(w, m):
+    """Negate the bytes of int32 word w where mask m has 0xFF (others 0x00): (w ^ m) + (m & 0x01010101) is a
+    per-byte two's complement negation with no carry between bytes because every byte of w is >= 1 (grid
+    magnitudes 8/25/43)."""
+    return (w ^ m) + (m & 0x01010101)
 
 
 @triton.jit
@@ -345,7 +345,7 @@ def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, TINY: tl.constexpr):
 
 
 @triton.jit
-def _iq2_q8k_block(qs, sg, dd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.constexpr):
+def _iq2_q8k_block(qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.constexpr):
     """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g q per group 4 sb + l of IQ2_XXS super-block kt of rows
     wrow, with the Q8_K words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group) and scale dx of x. The
     caller accumulates these per lane and reduces once after its k loop (in-loop reductions cost barriers)."""
@@ -358,13 +358,9 @@ def _iq2_q8k_block(qs, sg, dd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.const
     row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows (one 8-byte gather per group)
     lo = row.to(tl.int32)  # bytes 0-3 (truncation)
     hi = (row >> 32).to(tl.int32)  # bytes 4-7
-    s = (a1 >> (7 * lg)) & 127  # [BN, 8, 4] sign index
-    p = s ^ (s >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    signs = s | ((p & 1) << 7)  # KSIGNS[s]: bit j negates element j
-    dot = _dot4(_sign_bytes(lo, signs & 15), xlo, 0, DP4A)
-    dot = _dot4(_sign_bytes(hi, signs >> 4), xhi, dot, DP4A)
+    m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
+    dot = _dot4(_negate_bytes(lo, m.to(tl.int32)), xlo, 0, DP4A)
+    dot = _dot4(_negate_bytes(hi, (m >> 32).to(tl.int32)), xhi, dot, DP4A)
     scaled = dot * (2 * ((a1 >> 28) & 15) + 1)  # |.| <= 8 * 43 * 127 * 31 < 2^24: exact as f32
     return (d * dx)[:, None, None] * scaled.to(tl.float32)
 
@@ -380,6 +376,7 @@ def _iq2_q8k_gate_up_kernel(
     us,
     ud,
     tab64,
+    ksm,
     ids_ptr,
     out_ptr,
     n_slots,
@@ -412,8 +409,8 @@ def _iq2_q8k_gate_up_kernel(
         xlo = tl.load(xo + kt * 64 + xg)
         xhi = tl.load(xo + kt * 64 + xg + 1)
         dx = tl.load(dx_ptr + b * nb + kt)
-        acc_g += _iq2_q8k_block(gq, gs, gd, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A)
-        acc_u += _iq2_q8k_block(uq, us, ud, tab64, wrow, kt, nb, xlo, xhi, dx, DP4A)
+        acc_g += _iq2_q8k_block(gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, dx, DP4A)
+        acc_u += _iq2_q8k_block(uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, dx, DP4A)
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
     if SPLIT:
@@ -483,6 +480,13 @@ def _q2k_q8k_down_kernel(
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
     tl.store(out + n, acc * rw, mask=n < D)
+
+
+@functools.cache
+def _iq2_sign_masks(device: torch.device) -> torch.Tensor:
+    """[128] int64: byte j = 0xFF where bit j of KSIGNS[s] is set (the element is negative), else 0x00."""
+    bits = (torch.tensor(KSIGNS, dtype=torch.int64)[:, None] >> torch.arange(8)) & 1  # [128, 8]
+    return (bits * 0xFF).to(torch.uint8).view(torch.int64).reshape(128).to(device)
 
 
 @functools.cache
@@ -585,10 +589,10 @@ def moe_gate_up(
     grid = (triton.cdiv(F, cfg.bn), B * k, splits)
     if int8:
         xq, dx = quantize_q8k(x)
-        g, u, tab = wg.data, wu.data, iq2xxs_grid_i64(x.device)
+        g, u, tab, ksm = wg.data, wu.data, iq2xxs_grid_i64(x.device), _iq2_sign_masks(x.device)
         _iq2_q8k_gate_up_kernel[grid](
-            xq.view(torch.int32), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ids, part, k,
-            F, K, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1, DP4A=_dp4a(x, cfg),
+            xq.view(torch.int32), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
+            k, F, K, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1, DP4A=_dp4a(x, cfg),
             num_warps=cfg.warps,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:

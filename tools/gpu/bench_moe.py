@@ -214,6 +214,7 @@ def compile_only() -> None:
             "xw_ptr": "*i32",
             "dx_ptr": "*fp32",
             "tab64": "*i64",
+            "ksm": "*i64",
             "kt_per_split": "i32",
             **_GU_SIG,
             **_COMMON_GU,
