@@ -344,12 +344,19 @@ class Leader:
         object.__setattr__(self, "_ex", Executor(model))
         object.__setattr__(self, "_frees", [])
         object.__setattr__(self, "_ended", False)
+        # One op at a time, broadcast and local run together: the followers replay ops in broadcast order,
+        # so two threads (a server's model thread and a job thread) must not interleave them.
+        object.__setattr__(self, "_lock", threading.RLock())
 
     @property
     def inner(self) -> Any:
         return self._ex.model
 
     def _op(self, kind: str, *args: Any) -> Any:
+        with self._lock:
+            return self._op_locked(kind, *args)
+
+    def _op_locked(self, kind: str, *args: Any) -> Any:
         frees = []
         while self._frees:  # pop one by one: a finalizer may append while we drain
             frees.append(self._frees.pop())

@@ -170,3 +170,26 @@ def test_empty_op_and_bad_budget_are_refused() -> None:
             st.forward(State("s"), [])
     finally:
         st.stop()
+
+
+def test_call_and_fetch_run_on_the_model_thread() -> None:
+    """call(fn) runs fn on the model thread (device state work never races a step) and returns its result or
+    raises its error in the caller; fetch is applied there to every result (one host copy per batch)."""
+    model = FakeModel()
+    fetched: list[str] = []
+
+    def fetch(result):
+        fetched.append(threading.current_thread().name)
+        return ("host", result)
+
+    stepper = Stepper(model, gather_s=0.0, fetch=fetch, name="model-thread")
+    try:
+        assert stepper.call(lambda: threading.current_thread().name) == "model-thread"
+        with pytest.raises(KeyError, match="boom"):
+            stepper.call(lambda: {}["boom"])
+        assert stepper.forward(State("a"), [1, 2, 3]) == ("host", ("a", 3))
+        assert stepper.forward(State("b"), [7]) == ("host", ("b", 1))
+        assert fetched == ["model-thread", "model-thread"]
+    finally:
+        stepper.stop()
+    assert not stepper.alive

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ds4.config import DEFAULT_CTX, TINY_MODEL_ALIAS, ModelConfig
 from ds4.engine.session import ForwardFn, Session
@@ -106,11 +108,18 @@ class Engine:
         return Session(self, ctx, checkpoint=checkpoint)
 
     def sessions(
-        self, n: int, ctx: int, *, checkpoint: bool = True, forward: ForwardFn | None = None
+        self,
+        n: int,
+        ctx: int,
+        *,
+        checkpoint: bool = True,
+        forward: ForwardFn | None = None,
+        call: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> list[Session]:
         """n live sessions for the server. A device backend allocates all their states (and, with
         `checkpoint`, one checkpoint buffer each) at once from one pool (model.new_states), so nothing is
-        allocated later; `forward` is the Stepper's (batched decode across the sessions)."""
+        allocated later; `forward` / `call` are the Stepper's (batched decode across the sessions, state
+        work on the model thread)."""
         if n < 1:
             raise Ds4Error(f"need at least one session, got {n}")
         new_states = getattr(self.model, "new_states", None)
@@ -118,9 +127,18 @@ class Engine:
         pooled = states[0] is not None and hasattr(states[0], "copy_from")
         buffers = list(new_states(n, ctx)) if pooled and checkpoint else [None] * n
         return [
-            Session(self, ctx, checkpoint=checkpoint, state=st, checkpoint_state=cp, forward=forward)
+            Session(
+                self, ctx, checkpoint=checkpoint, state=st, checkpoint_state=cp, forward=forward, call=call
+            )
             for st, cp in zip(states, buffers, strict=True)
         ]
+
+    @staticmethod
+    def host_logits(logits: Any) -> Any:
+        """Logits (a [V] row or a [B, V] batch, any device) as float32 host memory: the Stepper's fetch."""
+        import torch
+
+        return logits.to(device="cpu", dtype=torch.float32)
 
     def session_nbytes(self, ctx: int, *, checkpoint: bool = False) -> int:
         """Bytes of one session's KV state at context `ctx` (both states when its checkpoint has its own)."""

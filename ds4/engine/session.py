@@ -50,7 +50,9 @@ class _Checkpoint:
 class Session:
     """`state` / `checkpoint_state`: preallocated (pooled device) states this session works in, in place;
     `forward`: who runs the model (default engine.model.forward; the server passes a Stepper's forward so
-    many sessions' decode steps are batched)."""
+    many sessions' decode steps are batched); `call`: who runs the session's other state work (reset, copy,
+    snapshot, restore; default: the calling thread; the server passes Stepper.call so that all device work
+    happens on the model thread)."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class Session:
         state: Any = None,
         checkpoint_state: Any = None,
         forward: ForwardFn | None = None,
+        call: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> None:
         if ctx <= 1:
             raise ContextError(f"context size must be at least 2 tokens, got {ctx}")
@@ -69,6 +72,7 @@ class Session:
         self.layout = snap.Layout.cpu(engine.config, ctx)
         self.state = state if state is not None else engine.model.new_state(ctx)
         self._run_model: ForwardFn = forward if forward is not None else engine.model.forward
+        self._call: Callable[[Callable[[], Any]], Any] = call if call is not None else (lambda fn: fn())
         # the checkpoint's own buffer: copy_from into it instead of a clone per prompt (no allocation later)
         self._checkpoint_buf = checkpoint_state if hasattr(checkpoint_state, "copy_from") else None
         self.tokens: list[int] = []
@@ -95,7 +99,7 @@ class Session:
     def reset(self) -> None:
         """Drop the timeline (the prompt checkpoint stays: it is still a valid state to rewind to)."""
         if hasattr(self.state, "reset"):  # device state: in place, so its captured decode graph stays valid
-            self.state.reset()
+            self._call(self.state.reset)
         else:
             self.state = self.engine.model.new_state(self.ctx)
         self.tokens = []
@@ -140,16 +144,18 @@ class Session:
 
     def _checkpoint_copy(self) -> Any:
         if self._checkpoint_buf is None:
-            return self.state.clone()
-        self._checkpoint_buf.copy_from(self.state)
-        return self._checkpoint_buf
+            return self._call(self.state.clone)
+        buf, state = self._checkpoint_buf, self.state
+        self._call(lambda: buf.copy_from(state))
+        return buf
 
     def _rewind_to_checkpoint(self, tokens: list[int]) -> bool:
         cp = self._checkpoint
         if cp is None or tokens[: len(cp.tokens)] != cp.tokens:
             return False
         if hasattr(self.state, "copy_from"):  # device state: copy into the live buffers (graph stays valid)
-            self.state.copy_from(cp.state)
+            state = self.state
+            self._call(lambda: state.copy_from(cp.state))
         else:
             self.state = cp.state.clone()
         self.tokens, self._logits = list(cp.tokens), cp.logits.clone()
@@ -188,16 +194,17 @@ class Session:
 
     def snapshot(self) -> bytes:
         """The DSV4 payload (model.md §11.3) of this session."""
-        state = self.state.to_cpu() if hasattr(self.state, "to_cpu") else self.state  # device state: CPU form
+        state = self._call(self.state.to_cpu) if hasattr(self.state, "to_cpu") else self.state  # CPU form
         return snap.encode(self.layout, self.tokens, self._logits, state)
 
     def restore(self, blob: bytes) -> None:
         """Replace the timeline by a payload; raises SnapshotError (state untouched) if it does not fit."""
         decoded = snap.decode(blob, self.layout)
         if hasattr(self.state, "load_cpu"):  # device state: install into its CPU form, upload in place
-            cpu = self.state.to_cpu()
+            cpu = self._call(self.state.to_cpu)
             snap.install(decoded, cpu)
-            self.state.load_cpu(cpu)
+            state = self.state
+            self._call(lambda: state.load_cpu(cpu))
         else:
             state = self.engine.model.new_state(self.ctx)
             snap.install(decoded, state)

@@ -15,6 +15,11 @@ error in the caller's thread). The model thread works in steps:
 
 Torch-free: `model` is anything with `forward(state, tokens) -> logits` and `decode_batch(states, tokens) ->
 rows` (row b is the logits of states[b]); states and logits are opaque. Tests use a fake model.
+
+Everything that touches device state runs on the model thread: `call(fn)` runs fn there (sessions reset,
+copy, snapshot and restore their states through it), and `fetch` (e.g. a copy of device logits to the host)
+is applied there to every result before it is handed back. A CUDA graph captured by the model thread then
+never meets another thread's device work, and the job threads only ever see host logits.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -44,6 +49,7 @@ class StepperStopped(RuntimeError):
 class _Op:
     state: Any
     tokens: list[int]
+    fn: Callable[[], Any] | None = None  # a call(fn) op: run fn, no tokens
     done: threading.Event = field(default_factory=threading.Event)
     fed: int = 0  # tokens of a prefill op already run (earlier pieces)
     result: Any = None
@@ -73,12 +79,14 @@ class Stepper:
         prefill_budget: int = DEFAULT_PREFILL_BUDGET,
         gather_s: float = DEFAULT_GATHER_S,
         name: str = "ds4-model",
+        fetch: Callable[[Any], Any] | None = None,
     ) -> None:
         if prefill_budget < 1:
             raise ValueError(f"prefill_budget must be at least 1 token, got {prefill_budget}")
         self.model = model
         self.prefill_budget = prefill_budget
         self.gather_s = max(0.0, gather_s)
+        self.fetch = fetch if fetch is not None else (lambda result: result)
         self.stats = StepperStats()
         self._cond = threading.Condition()
         self._ops: list[_Op] = []  # pending, arrival order
@@ -94,6 +102,15 @@ class Stepper:
         op = _Op(state, [int(t) for t in tokens])
         if not op.tokens:
             raise ValueError("forward needs at least one token, got none")
+        return self._submit(op)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the model thread (before the next step's model calls); blocks; returns its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self._submit(_Op(None, [], fn))
+
+    def _submit(self, op: _Op) -> Any:
         with self._cond:
             if self._stopping:
                 raise StepperStopped("the model thread is stopped: no more model calls")
@@ -161,6 +178,9 @@ class Stepper:
             return list(self._ops)
 
     def _step(self, ops: list[_Op]) -> None:
+        for op in ops:
+            if op.fn is not None:
+                self._call(op)
         decode = [op for op in ops if len(op.tokens) == 1]
         prefill = [op for op in ops if len(op.tokens) > 1]
         self.stats.steps += 1
@@ -176,13 +196,22 @@ class Stepper:
             if budget <= 0:
                 break
 
+    def _call(self, op: _Op) -> None:
+        try:
+            result = op.fn()
+        except BaseException as err:
+            self._retire([op], [None], err)
+            return
+        self._retire([op], [result], None)
+
     def _decode(self, ops: list[_Op]) -> None:
         B = len(ops)
         try:
             if B == 1:
-                rows = [self.model.forward(ops[0].state, ops[0].tokens)]
+                rows = [self.fetch(self.model.forward(ops[0].state, ops[0].tokens))]
             else:
-                rows = self.model.decode_batch([op.state for op in ops], [op.tokens[0] for op in ops])
+                out = self.model.decode_batch([op.state for op in ops], [op.tokens[0] for op in ops])
+                rows = list(self.fetch(out))  # one host copy of the whole batch, then its rows
         except BaseException as err:
             # Every op of the batch fails: a batch that raised may have touched any of its states.
             self._retire(ops, [None] * B, err)
@@ -197,6 +226,8 @@ class Stepper:
     def _prefill_piece(self, op: _Op, piece: list[int]) -> None:
         try:
             logits = self.model.forward(op.state, piece)
+            if op.fed + len(piece) >= len(op.tokens):
+                logits = self.fetch(logits)
         except BaseException as err:
             self._retire([op], [None], err)
             return

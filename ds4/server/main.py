@@ -66,9 +66,9 @@ def build_worker(
     if n < 1:
         raise ValueError(f"--parallel must be at least 1, got {n}")
     budget = prefill_budget or (config.PREFILL_CHUNK if n == 1 else PARALLEL_PREFILL_BUDGET)
-    stepper = Stepper(engine.model, prefill_budget=budget, gather_s=gather_s)
+    stepper = Stepper(engine.model, prefill_budget=budget, gather_s=gather_s, fetch=engine.host_logits)
     try:
-        sessions = engine.sessions(n, ctx, checkpoint=checkpoint, forward=stepper.forward)
+        sessions = engine.sessions(n, ctx, checkpoint=checkpoint, forward=stepper.forward, call=stepper.call)
     except BaseException:
         stepper.stop()
         raise
@@ -103,7 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body in MiB (default %(default)s)",
     )
     add("-t", "--threads", type=int, default=None, help="CPU threads")
-    add("--backend", default="cpu", help="backend (default %(default)s)")
+    add(
+        "--backend",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="backend (default: cuda when a GPU is present)",
+    )
+    add(
+        "--gpus",
+        type=int,
+        default=None,
+        help="run on N GPUs (expert parallel; re-launches under torchrun, one process per GPU)",
+    )
     add("--cpu", dest="backend", action="store_const", const="cpu", help="same as --backend cpu")
     add("--cuda", dest="backend", action="store_const", const="cuda", help="same as --backend cuda")
     add("--host", default=config.DEFAULT_HOST, help="IPv4 address to listen on (default %(default)s)")
@@ -157,6 +168,19 @@ def _host(text: str) -> str:
     return host
 
 
+def _start_distributed(args: argparse.Namespace, argv: Sequence[str] | None) -> Any:
+    """--gpus N: re-exec under torchrun (does not return); inside torchrun: join the group and return
+    ds4.dist; else None (no torch import)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not (args.gpus and args.gpus > 1):
+        return None
+    from ds4 import dist
+
+    dist.start(args.gpus, list(sys.argv[1:] if argv is None else argv), "ds4.server.main", args.backend)
+    return dist if dist.active() else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -171,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         print("ds4-server: --parallel and --prefill-budget must be at least 1", file=sys.stderr)
         return 2
+    if args.gpus is not None and args.gpus < 1:
+        print("ds4-server: --gpus must be at least 1", file=sys.stderr)
+        return 2
+    dist = _start_distributed(args, argv)
     import uvicorn
 
     from ds4.cli import resolve_model_path
@@ -181,10 +209,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ds4.server.worker import WorkerOptions
 
     try:
-        engine = Engine.open(resolve_model_path(args.model), backend=args.backend, threads=args.threads)
+        path = (
+            resolve_model_path(args.model)
+            if dist is None
+            else dist.on_leader(lambda: resolve_model_path(args.model))
+        )
+        engine = Engine.open(path, backend=args.backend, threads=args.threads)
     except (Ds4Error, OSError, ValueError) as err:
         print(f"ds4-server: {err}", file=sys.stderr)
         return 1
+    if dist is not None:  # rank 0 serves through a mirror of the model; the other ranks follow, then exit
+        engine.model = dist.wrap_or_follow(engine.model)
     kv = None
     if args.kv_disk_dir:
         from ds4.kvstore import KVStore
@@ -246,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine.close()
         if trace is not None:
             trace.close()
+        if dist is not None:
+            dist.shutdown()  # the followers exit too
     return 0
 
 
