@@ -42,11 +42,11 @@ CLAMP = 10.0
 # (label, config); the first of each list is the current default
 GU = [("current", replace(moe.GATE_UP, int8=False))] + [
     (f"int8 bn{bn} w{w}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d))
-    for bn, w, d in ((8, 4, True), (16, 4, True), (32, 8, True), (16, 4, False))
+    for bn, w, d in ((8, 4, True), (16, 4, True), (32, 4, True), (32, 8, True), (16, 4, False))
 ]
 DOWN = [("current", replace(moe.DOWN, int8=False))] + [
     (f"int8 bn{bn} w{w}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d))
-    for bn, w, d in ((16, 4, True), (32, 4, True), (64, 8, True), (32, 4, False))
+    for bn, w, d in ((16, 4, True), (32, 4, True), (64, 4, True), (64, 8, True), (32, 4, False))
 ]
 DEV = torch.device("cuda")
 GEN: torch.Generator  # seeded in main()
@@ -193,7 +193,7 @@ def compile_only() -> None:
     w_iq2 = pack(random_blocks(IQ2, (1, 256), std=0.02, generator=torch.Generator()), IQ2, (1, 256))
     w_q2k = pack(random_blocks(Q2K, (1, 256), std=0.02, generator=torch.Generator()), Q2K, (1, 256))
     runs = []
-    for bn, w in ((8, 4), (16, 4), (32, 8)):
+    for bn, w in ((8, 4), (16, 4), (32, 4), (32, 8)):
         cur_sig = {
             "x_ptr": "*fp32",
             "g0": "*u8",
@@ -231,7 +231,7 @@ def compile_only() -> None:
                     2 * bn * 256,
                 )
             )
-    for bn, w in ((16, 4), (32, 4), (64, 8)):
+    for bn, w in ((16, 4), (32, 4), (64, 4), (64, 8)):
         cur_sig = {
             "mid_ptr": "*fp32",
             "w0": "*u8",
