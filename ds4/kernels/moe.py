@@ -290,8 +290,10 @@ def _q2k_down_kernel(
 # Q8_K integer path (MoeConfig.int8): the C original's routed-expert formulation (model.md §14). The input x
 # and the mid activation are quantized per 256 values to int8 + f32 scale (_q8k_quant_kernel, as
 # ref.quantize_q8k); weights stay integers packed 4 to an int32 word and meet 4 int8 x values in one dp4a
-# (PTX; DP4A=False: the same sum in plain int32 ops, which Triton's interpreter can run). Integer sums per
-# (sub-)block, f32 scaling per super-block in the order of ref.q8k_matvec_row (the twin).
+# (PTX; DP4A=False: the same sum in plain int32 ops, which Triton's interpreter can run). Exact integer sums
+# per group (8 IQ2_XXS / 16 Q2_K values, times the group's integer sub-scale), scaled by d_w d_x in f32 and
+# accumulated per lane; one reduction after the k loop. Same integers as ref.q8k_matvec_row (the twin, which
+# sums whole blocks as integers first): the two differ by f32 rounding only.
 #   IQ2_XXS: a group of 8 = grid row (magnitudes 8/25/43 as bytes: words lo, hi) + 8 sign bits (7 stored +
 #            parity), looked up as a byte mask (_iq2_sign_masks) and applied to whole words (_negate_bytes),
 #            so a group costs 2 table gathers (L1), 2 x (xor, and, add) and 2 dp4a.
