@@ -371,6 +371,32 @@ def test_piece_cache_reset_keeps_encoding_exact(tok, hf_plain, monkeypatch):
     assert len(tok._piece_ids) <= 60
 
 
+def test_bpe_separator_choice():
+    """The grouped-BPE separator: a byte UTF-8 never holds, whose byte-level character is an entry of its
+    own and inside no other entry (so no merge can involve it)."""
+    from types import SimpleNamespace
+
+    def find(tokens: list[str]) -> tuple[bytes, int] | None:
+        fake = SimpleNamespace(tokens=tokens, _id_of={t: i for i, t in enumerate(tokens)})
+        return Tokenizer._find_bpe_separator(fake)
+
+    c0, c1, ff = (T._BYTE_LEVEL_CHARS[b] for b in (0xC0, 0xC1, 0xFF))
+    assert find(["a", c0, "b"]) == (b"\xc0", 1)
+    assert find(["a", c0, c1, "a" + c0]) == (b"\xc1", 2)  # 0xC0 is inside another entry: skipped
+    assert find(["a", ff]) == (b"\xff", 1)
+    assert find(["a", "b" + c0, "ab"]) is None
+
+
+def test_grouped_and_per_piece_bpe_agree(tok, hf_plain, corpus, monkeypatch):
+    assert tok._bpe_separator == (b"\xc0", tok.token_id(T._BYTE_LEVEL_CHARS[0xC0]))
+    text = corpus[0][:100_000] + corpus[2][:20_000]
+    expected = hf_ids(hf_plain, text)
+    for separator in (tok._bpe_separator, None):  # None: one BPE call per piece
+        monkeypatch.setattr(tok, "_bpe_separator", separator)
+        monkeypatch.setattr(tok, "_piece_ids", {})
+        assert tok.encode(text) == expected
+
+
 def test_plain_mode_keeps_specials_as_text(tok):
     ids = tok.encode("a<think>b<｜User｜>c｜DSML｜<｜end▁of▁sentence｜>")
     assert not set(ids) & tok.special_ids
