@@ -15,6 +15,7 @@ The per-token work (projections, HC, router, MoE, head) is batched over the B ro
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -42,37 +43,57 @@ except ImportError:  # pragma: no cover - no triton
 GROUPED_ROWS = int(os.environ.get("DS4_BATCH_GROUPED_ROWS", "0"))
 
 
-def _pool_rows(cand_kv, cand_score, norm, start, inv_freq, eps: float, n_rot: int, indexer: bool):
-    """Softmax-pool each row's window candidates [B, n, h] -> finished rows [B, h]."""
-    pooled = (cand_kv * cand_score.softmax(dim=1)).sum(1)  # [B, h]
-    row = fused.rope_real(rms_norm(pooled, norm, eps), start, inv_freq)
-    return indexer_qat(row) if indexer else fused._fp8_nope(row, n_rot)
+# Pure pieces of the step (no pool writes) may be compiled by torch.compile with dynamic shapes (one compile
+# for every batch bucket), when the single-session path compiles too (fused.SWITCH: CUDA, DS4_COMPILE) AND
+# env DS4_BATCH_COMPILE=1. Off by default: not yet timed on a GPU, and duck-sized dims (B equal to another
+# dim) can force recompiles per bucket. Any compile error falls back to eager for good.
+COMPILE = os.environ.get("DS4_BATCH_COMPILE", "0") == "1"
 
 
-def _compress_step(
-    w: CompressorWeights, xn, pos, slot, ratio, fk_pool, fs_pool, rows_pool, inv_freq, eps, n_rot, indexer
-) -> None:
-    """Advance each row's frontier (pool slot slot[b]) by its token; write the rows of completed windows.
+def _fuse(fn):
+    compiled, failed = None, False
 
-    fk_pool/fs_pool [N+1, c r, c h], rows_pool [N+1, cap, h]; xn [B, d], pos/slot [B]."""
-    r, overlap = ratio, ratio == 4
-    h = w.norm.numel()
-    fk, fs = fk_pool.index_select(0, slot), fs_pool.index_select(0, slot)  # [B, c r, c h] copies
-    at = (r if overlap else 0) + pos % r  # [B] frontier row of this token
+    def run(*args):
+        nonlocal compiled, failed
+        if not (COMPILE and fused.SWITCH.enabled) or failed:
+            return fn(*args)
+        if compiled is None:
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            compiled = torch.compile(fn, dynamic=True)
+        try:
+            return compiled(*args)
+        except Exception as e:  # compile problems must not break decoding: stay eager
+            failed = True
+            print(
+                f"ds4: torch.compile of {fn.__name__} failed, running it eagerly: {e!r}"[:400],
+                file=sys.stderr,
+            )
+            return fn(*args)
+
+    run.__name__ = fn.__name__
+    return run
+
+
+@_fuse
+def _advance(fk, fs, kv_new, score_new, pos, norm, inv_freq, r: int, eps: float, n_rot: int, indexer: bool):
+    """One token into each row's frontier: fk/fs [B, c r, c h] (this token's kv_new/score_new [B, c h] at
+    frontier row (r if r == 4 else 0) + pos % r) -> (finished row [B, h] (used where the window completes),
+    next fk, next fs). Same math as layer._compress_step / fused.pool_row, row by row."""
+    overlap = r == 4
+    h = norm.shape[0]
+    at = (r if overlap else 0) + pos % r  # [B]
     hit = (torch.arange(fk.shape[1], device=pos.device)[None, :] == at[:, None])[..., None]  # [B, c r, 1]
-    fk = torch.where(hit, lin(xn, w.kv)[:, None, :], fk)
-    fs = torch.where(hit, (lin(xn, w.gate) + w.ape.index_select(0, pos % r))[:, None, :], fs)
+    fk = torch.where(hit, kv_new[:, None, :], fk)
+    fs = torch.where(hit, score_new[:, None, :], fs)
     if overlap:  # candidates: previous window's first half + this window's second half
         cand_kv = torch.cat([fk[:, :r, :h], fk[:, r:, h:]], dim=1)  # [B, 2r, h]
         cand_score = torch.cat([fs[:, :r, :h], fs[:, r:, h:]], dim=1)
     else:
         cand_kv, cand_score = fk, fs
-    row = _pool_rows(cand_kv, cand_score, w.norm, pos - (r - 1), inv_freq, eps, n_rot, indexer)  # [B, h]
+    pooled = (cand_kv * cand_score.softmax(dim=1)).sum(1)  # [B, h]
+    row = fused.rope_real(rms_norm(pooled, norm, eps), pos - (r - 1), inv_freq)
+    row = indexer_qat(row) if indexer else fused._fp8_nope(row, n_rot)
     done = (pos % r == r - 1)[:, None, None]  # [B, 1, 1] this token completes a window
-    cap = rows_pool.shape[1]
-    flat = rows_pool.view(-1, h)  # [(N+1) cap, h]
-    idx = slot * cap + torch.clamp(pos // r, max=cap - 1)  # [B]
-    flat.index_copy_(0, idx, torch.where(done[:, 0], row, flat.index_select(0, idx)))
     if overlap:  # current window becomes the previous one; the current one empties
         fk = torch.cat([torch.where(done, fk[:, r:], fk[:, :r]), torch.where(done, 0.0, fk[:, r:])], dim=1)
         fs = torch.cat(
@@ -81,10 +102,29 @@ def _compress_step(
     else:
         fk = torch.where(done, 0.0, fk)
         fs = torch.where(done, EMPTY_SCORE, fs)
+    return row, fk, fs
+
+
+def _compress_step(
+    w: CompressorWeights, xn, pos, slot, ratio, fk_pool, fs_pool, rows_pool, inv_freq, eps, n_rot, indexer
+) -> None:
+    """Advance each row's frontier (pool slot slot[b]) by its token; write the rows of completed windows.
+
+    fk_pool/fs_pool [N+1, c r, c h], rows_pool [N+1, cap, h]; xn [B, d], pos/slot [B]."""
+    r, h = ratio, w.norm.numel()
+    fk, fs = fk_pool.index_select(0, slot), fs_pool.index_select(0, slot)  # [B, c r, c h] copies
+    kv_new, score_new = lin(xn, w.kv), lin(xn, w.gate) + w.ape.index_select(0, pos % r)
+    row, fk, fs = _advance(fk, fs, kv_new, score_new, pos, w.norm, inv_freq, r, eps, n_rot, indexer)
+    cap = rows_pool.shape[1]
+    flat = rows_pool.view(-1, h)  # [(N+1) cap, h]
+    idx = slot * cap + torch.clamp(pos // r, max=cap - 1)  # [B]
+    done = (pos % r == r - 1)[:, None]
+    flat.index_copy_(0, idx, torch.where(done, row, flat.index_select(0, idx)))
     fk_pool.index_copy_(0, slot, fk)
     fs_pool.index_copy_(0, slot, fs)
 
 
+@_fuse
 def _attend(q, keys, valid, sinks, scale: float, pos, inv_freq):
     """q [B, H, D] over each row's keys [B, n, D] (valid [B, n]) with sinks -> de-rotated o [B, H, D]."""
     B, H, _ = q.shape
@@ -93,6 +133,15 @@ def _attend(q, keys, valid, sinks, scale: float, pos, inv_freq):
     s = torch.cat([s, sinks[None, :, None].expand(B, H, 1)], dim=2)
     o = torch.bmm(s.softmax(-1)[..., :-1], keys)
     return fused.rope_real(o, pos, inv_freq, inverse=True)
+
+
+@_fuse
+def _indexer_scores(qi, wts, rows, rows_valid, pos, inv_freq):
+    """Indexer scores [B, cap] of each row's compressed rows (invisible ones -inf): qi [B, Hi, Di] before
+    RoPE/QAT, head weights wts [B, Hi], rows [B, cap, Di], rows_valid [B, cap]."""
+    qi = indexer_qat(fused.rope_real(qi, pos, inv_freq))
+    score = (torch.bmm(qi, rows.transpose(1, 2)).relu() * wts[:, :, None]).sum(1)
+    return score.masked_fill(~rows_valid, float("-inf"))
 
 
 def _gather_rows(rows_pool, slot, idx):
@@ -127,11 +176,11 @@ def attention_decode_batch(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos,
         if w.indexer is not None and cap > shape.indexer_topk:
             iw = w.indexer
             n_heads, dim = iw.proj.shape[0], iw.compressor.norm.numel()
-            qi = indexer_qat(fused.rope_real(lin(qn, iw.q_b).unflatten(-1, (n_heads, dim)), pos, inv_freq))
+            qi = lin(qn, iw.q_b).unflatten(-1, (n_heads, dim))  # [B, Hi, Di]
             wts = lin(xn, iw.proj) * (dim**-0.5 * n_heads**-0.5)  # [B, Hi]
             rows = kv.index.index_select(0, slot)  # [B, cap, Di]
-            score = (torch.bmm(qi, rows.transpose(1, 2)).relu() * wts[:, :, None]).sum(1)  # [B, cap]
-            top = _top_rows(score.masked_fill(~rows_valid, float("-inf")), shape.indexer_topk)  # [B, k]
+            score = _indexer_scores(qi, wts, rows, rows_valid, pos, inv_freq)  # [B, cap]
+            top = _top_rows(score, shape.indexer_topk)  # [B, k]
             keys.append(_gather_rows(kv.comp, slot, top))
             valid.append(rows_valid.gather(1, top))
         else:
