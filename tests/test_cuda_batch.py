@@ -262,3 +262,14 @@ def test_kernel_dispatch_path_batch_equals_alone(monkeypatch):
         assert diff <= LOGIT_TOL
     for a, b in zip(alone, live, strict=True):
         _assert_states_close(a, b)
+    # more than DECODE_ROWS rows: the dense copy, or (BATCH_QROWS) the packed blocks with bf16 activations
+    from ds4.model.cuda import layer
+
+    q = m.layers[0].w.attn.q_a
+    x = torch.randn(12, q.dense.shape[1], generator=torch.Generator().manual_seed(3))
+    want = x @ q.dense.float().T
+    assert torch.equal(layer.lin(x, q), torch.nn.functional.linear(x, q.dense))
+    monkeypatch.setattr(layer, "BATCH_QROWS", 16)
+    got = layer.lin(x, q)
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert 0 < rel < 1e-2, rel  # bf16 activations: close, not equal

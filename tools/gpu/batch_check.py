@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from ds4.bench import decode_bytes_per_token, synthetic_model  # noqa: E402
 from ds4.config import FLASH  # noqa: E402
-from ds4.model.cuda import batch  # noqa: E402
+from ds4.model.cuda import batch, layer  # noqa: E402
 from ds4.model.cuda.model import BatchRunner  # noqa: E402
 from ds4.model.cuda.state import session_nbytes  # noqa: E402
 
@@ -46,12 +46,12 @@ def prompt_tokens(n: int, vocab: int, salt: int) -> list[int]:
     return [(i * 7919 + salt * 104729 + 13) % vocab for i in range(n)]
 
 
-def set_grouped(on: bool, pool) -> None:
-    """Routed experts of batched steps as grouped GEMMs (ds4.model.cuda.batch.GROUPED_ROWS) or not; a change
-    drops the pool's bucket graphs (they are recaptured with the other path)."""
+def set_grouped(on: bool, pool, qrows: int = 0) -> None:
+    """Routed experts of batched steps as grouped GEMMs (ds4.model.cuda.batch.GROUPED_ROWS) or not, and the
+    packed-matvec row limit (layer.BATCH_QROWS); a change drops the pool's bucket graphs (recaptured)."""
     want = 1 if on else 0
-    if batch.GROUPED_ROWS != want:
-        batch.GROUPED_ROWS = want
+    if (batch.GROUPED_ROWS, layer.BATCH_QROWS) != (want, qrows):
+        batch.GROUPED_ROWS, layer.BATCH_QROWS = want, qrows
         pool.runner = None
 
 
@@ -125,12 +125,14 @@ def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None
     step_bytes = decode_bytes_per_token(model)
     kv = pool[0].pool
     print(f"{'B':>3} {'step ms':>8} {'agg tok/s':>10} {'weights GB/s':>13}")
-    rows = [(1, False, False), (1, True, False)] if 1 in batches else []  # single-state graph, bucket 1
-    rows += [(b, False, False) for b in batches if b != 1]
-    rows += [(b, False, True) for b in batches if b >= 8]  # routed experts as grouped GEMMs
-    for B, bucket1, grouped in rows:
+    rows = [(1, False, "")] if 1 in batches else []  # single-state graph
+    rows += [(1, True, "")] if 1 in batches else []  # the batched code at bucket 1
+    rows += [(b, False, "") for b in batches if b != 1]
+    rows += [(b, False, "g") for b in batches if b >= 8]  # routed experts as grouped GEMMs
+    rows += [(b, False, "q") for b in batches if b > 8]  # packed matvec (bf16 activations) above 8 rows
+    for B, bucket1, mode in rows:
         states = pool[:B]
-        set_grouped(grouped, kv)
+        set_grouped(mode == "g", kv, max(batches) if mode == "q" else 0)
         runner = kv.runner = kv.runner or BatchRunner(model, kv)
 
         def step(toks: list[int], states=states, bucket1=bucket1, runner=runner) -> list[int]:
@@ -155,7 +157,7 @@ def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None
             if rep:
                 times.append(time.perf_counter() - t0)
         med = sorted(times)[len(times) // 2]
-        label = "1*" if bucket1 else f"{B}g" if grouped else str(B)
+        label = "1*" if bucket1 else f"{B}{mode}"
         gbps = step_bytes * steps / med / 1e9
         print(f"{label:>3} {1e3 * med / steps:>8.2f} {B * steps / med:>10.1f} {gbps:>13.1f}")
     n, peak = max(batches), torch.cuda.max_memory_allocated() / 2**30

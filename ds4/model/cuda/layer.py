@@ -15,6 +15,8 @@ Big matrices may be bfloat16 (`lin` casts the activations); KV rows, scores and 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,11 @@ SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key tem
 
 
 DECODE_ROWS = 8  # activation rows up to which a QLinear uses the packed matvec kernel
+# Rows (above DECODE_ROWS) up to which a QLinear still reads its packed blocks, with bf16 activations (the
+# matvec kernel's tensor-core tiles), instead of its dense bf16 copy (about half the bytes): batched decode
+# steps of many sessions. 0: off (default, until GPU timings say otherwise; tools/gpu/batch_check.py times
+# it). Env DS4_BATCH_QROWS. Read when a step is built: recapture the graphs after changing it.
+BATCH_QROWS = int(os.environ.get("DS4_BATCH_QROWS", "0"))
 
 
 def lin(x: torch.Tensor, w: torch.Tensor | QLinear) -> torch.Tensor:
@@ -48,6 +55,8 @@ def lin(x: torch.Tensor, w: torch.Tensor | QLinear) -> torch.Tensor:
     if isinstance(w, QLinear):
         if x.shape[0] <= DECODE_ROWS:
             return qmatvec(x, w.packed)
+        if x.shape[0] <= BATCH_QROWS:
+            return qmatvec(x.to(torch.bfloat16), w.packed)
         w = w.dense
     if w.dtype == torch.float32:
         return F.linear(x, w)
