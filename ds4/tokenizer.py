@@ -188,7 +188,8 @@ _FAST_RES_MAX = 32
 _PIECE_CACHE_MAX = 1 << 20
 _BPE_GROUP = 64  # pieces per BPE call (see Tokenizer._add_grouped)
 # Cached ids are packed as 4-byte integers (the array typecode of that size on this platform).
-_ID_TYPE = next(code for code in "IL" if array(code).itemsize == 4)
+_ID_BYTES = 4
+_ID_TYPE = next(code for code in "IL" if array(code).itemsize == _ID_BYTES)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -452,7 +453,7 @@ class Tokenizer:
 
     def _encode_pieces(self, pieces: list[str]) -> list[int]:
         # A cached piece holds its ids packed as bytes, so a whole text is one bytes join and one array
-        # conversion (chaining per-piece lists of ints cost ~4x more on the novel).
+        # conversion (on the novel ~0.12 s against ~0.17 s for chaining per-piece lists of ints).
         try:
             packed = b"".join(map(self._piece_ids.__getitem__, pieces))
         except KeyError:
@@ -498,10 +499,10 @@ class Tokenizer:
             start = 0
             for piece in words[k : k + _BPE_GROUP]:
                 end = ids.index(sep_id, start)
-                cache[piece] = packed[4 * start : 4 * end]
+                cache[piece] = packed[_ID_BYTES * start : _ID_BYTES * end]
                 start = end + 1
-            if start != len(ids):
-                raise AssertionError(f"BPE group split into {start} of {len(ids)} ids")  # cannot happen
+            if start != len(ids):  # a separator id inside a piece's tokens: the invariant above broke
+                raise AssertionError(f"BPE group of {len(ids)} ids split at {start}: separator merged")
 
     # ---- decoding -----------------------------------------------------------------------------
 
