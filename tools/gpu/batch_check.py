@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from ds4.bench import decode_bytes_per_token, synthetic_model  # noqa: E402
 from ds4.config import FLASH  # noqa: E402
 from ds4.model.cuda import batch, layer  # noqa: E402
-from ds4.model.cuda.model import BatchRunner  # noqa: E402
+from ds4.model.cuda.model import BatchRunner, bucket_of  # noqa: E402
 from ds4.model.cuda.state import session_nbytes  # noqa: E402
 
 REL_TOL = 2e-2
@@ -132,7 +132,7 @@ def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None
     rows += [(b, False, "q") for b in batches if b > 8]  # packed matvec (bf16 activations) above 8 rows
     for B, bucket1, mode in rows:
         states = pool[:B]
-        set_grouped(mode == "g", kv, max(batches) if mode == "q" else 0)
+        set_grouped(mode == "g", kv, bucket_of(max(batches)) if mode == "q" else 0)
         runner = kv.runner = kv.runner or BatchRunner(model, kv)
 
         def step(toks: list[int], states=states, bucket1=bucket1, runner=runner) -> list[int]:
