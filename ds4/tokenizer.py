@@ -13,8 +13,9 @@ Two modes:
 Speed: `encode` computes the same ids as that HF pipeline (`hf_pipeline()`, tested against it and against
 the official tokenizer.json) without its per-piece overhead: the Split x3 pre-tokenizer runs in Python
 (`pretokenize`; long texts take a single stdlib-`re` pass, see the fast pre-tokenizer below), each distinct
-piece goes once through HF's BPE model and is cached as packed ids, so a text costs one regex pass, one
-dict lookup per piece and one bytes join. `python tools/tok_speed.py` measures it.
+piece goes once through HF's BPE model (64 pieces a call, joined by a separator that provably never merges)
+and is cached as packed ids, so a text costs one regex pass, one dict lookup per piece and one bytes join.
+`python tools/tok_speed.py` measures it (cold, fresh process, and warm).
 
 Decoding works on raw bytes (`token_bytes`), since one token can hold part of a UTF-8 character;
 `StreamDecoder` turns a token stream into text without ever emitting half a character.
