@@ -273,3 +273,20 @@ def test_kernel_dispatch_path_batch_equals_alone(monkeypatch):
     got = layer.lin(x, q)
     rel = float((got - want).abs().max() / want.abs().max())
     assert 0 < rel < 1e-2, rel  # bf16 activations: close, not equal
+
+
+def test_one_session_through_the_bucket_1_step(tiny_model, monkeypatch):
+    """decode_batch of one session: the single-state graph by default, the pool's bucket 1 with
+    BATCH1_SINGLE off; both equal forward(state, [tok])."""
+    from ds4.model.cuda import model as cuda_model
+
+    m = tiny_model
+    pool = m.new_states(2, 48)
+    m.forward(pool[1], list(range(500, 541)))
+    alone = pool[1].clone()
+    for single, tok in ((True, 4), (False, 5)):
+        monkeypatch.setattr(cuda_model, "BATCH1_SINGLE", single)
+        got = m.decode_batch([pool[1]], [tok])
+        torch.testing.assert_close(got[0], m.forward(alone, [tok]), atol=LOGIT_TOL, rtol=0)
+    assert set(pool[1].pool.runner.buckets) == {1}
+    _assert_states_close(alone, pool[1])

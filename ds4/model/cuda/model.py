@@ -32,6 +32,10 @@ from ds4.model.norm import rms_norm
 from ds4.model.state import KVState
 
 DEFAULT_PREFILL_CHUNK = 4096
+# decode_batch of ONE session through the single-state graph (captured once per state, no pool gathers; the
+# speed of forward(state, [tok])). 0: through the pool's bucket-1 graph (one capture per pool; timed as "1*"
+# by tools/gpu/batch_check.py). Env DS4_BATCH1_SINGLE.
+BATCH1_SINGLE = os.environ.get("DS4_BATCH1_SINGLE", "1") != "0"
 
 
 class CudaModel:
@@ -186,7 +190,7 @@ class CudaModel:
         bad = [t for t in toks if not 0 <= t < cfg.n_vocab]
         if bad:
             raise ValueError(f"token id out of range [0, {cfg.n_vocab}): got {bad[0]}")
-        if B == 1:  # the single-state graph (no gathers): batch 1 stays as fast as before
+        if B == 1 and BATCH1_SINGLE:  # the single-state graph (no gathers): batch 1 stays as fast as before
             return self._decode(states[0], toks[0])[None]
         if pool.runner is None:
             pool.runner = BatchRunner(self, pool)
