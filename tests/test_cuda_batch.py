@@ -32,6 +32,7 @@ def _model(path, **kw) -> CudaModel:
 
 @pytest.fixture(scope="module")
 def tiny_model() -> CudaModel:
+    pytest.importorskip("gguf", reason="building the tiny model file needs gguf (absent on the GPU machine)")
     from ds4.tools.make_model import ensure_tiny_model
 
     return _model(ensure_tiny_model())
@@ -245,6 +246,8 @@ def test_kernel_dispatch_path_batch_equals_alone(monkeypatch):
     grouped GEMMs over the pairs sorted by expert (batch.GROUPED_ROWS)."""
     from ds4.model.cuda import batch
     from ds4.model.cuda.weights import QLinear
+
+    pytest.importorskip("gguf", reason="building the tiny model file needs gguf (absent on the GPU machine)")
     from ds4.tools.make_model import ensure_tiny_model
 
     m = _model(ensure_tiny_model(), kernels=True)
