@@ -104,6 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ttft-prompt", type=int, default=1024, help="--parallel: prompt tokens of the new request"
     )
     p.add_argument("--prefill-budget", type=int, default=512, help="--parallel: prefill tokens per step")
+    p.add_argument("--gpus", type=int, default=None, help="N processes, experts split (runs under torchrun)")
     a = p.parse_args(argv)
     if a.ctx_start < 1 or a.ctx_max < a.ctx_start:
         p.error(f"need 1 <= --ctx-start <= --ctx-max, got {a.ctx_start} and {a.ctx_max}")
@@ -169,13 +170,14 @@ def load(a: argparse.Namespace) -> Loaded:
             raise BenchError("--synthetic builds its weights on a CUDA GPU; none is available")
         if a.chat_prompt_file:
             raise BenchError("--synthetic has no tokenizer: use --prompt-file (or the default text)")
-        model = synthetic_model(SYNTHETIC[a.synthetic], graphs=not a.no_graphs)
+        model = _distributed(synthetic_model(SYNTHETIC[a.synthetic], graphs=not a.no_graphs))
         vocab = model.cfg.n_vocab
         tokens = [(b * 1009 + i % 7) % vocab for i, b in enumerate(text.encode("utf-8"))]  # bytes -> ids
         return Loaded(model, tokens, SYNTHETIC_EOS, f"synthetic {a.synthetic}")
     from ds4.engine import Engine
 
     engine = Engine.open(a.model, backend=backend)
+    engine.model = _distributed(engine.model)
     tok = engine.tokenizer
     if a.chat_prompt_file:
         from ds4.chat import encode_chat_prompt
@@ -197,10 +199,23 @@ def synthetic_model(quant: str, *, graphs: bool = True, cfg=None):
     cfg = cfg or FLASH
     names = {pt.name for pt in plan(cfg, quant)}
 
+    from ds4 import dist
+
+    shard = dist.expert_range(cfg.n_expert) if dist.active() else None  # expert parallel: this rank's rows
+
     def source(name: str):
-        return build_weights(cfg, quant, seed=SYNTHETIC_SEED, device="cuda", names=[name])[name]
+        built = build_weights(cfg, quant, seed=SYNTHETIC_SEED, device="cuda", names=[name], expert_rows=shard)
+        return built[name]
 
     return CudaModel(cfg, source, has=names.__contains__, device="cuda", graphs=graphs)
+
+
+def _distributed(model):
+    """Under torchrun: rank 0 gets a mirror of the model (ds4.dist.Leader), the other ranks follow rank 0's
+    calls and exit. One process: the model itself."""
+    from ds4 import dist
+
+    return dist.wrap_or_follow(model) if dist.active() else model
 
 
 def decode_bytes_per_token(model) -> int:
@@ -527,6 +542,10 @@ def plot(csv_path: Path, title: str) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.gpus or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from ds4 import dist
+
+        dist.start(a.gpus, list(sys.argv[1:] if argv is None else argv), "ds4.bench", a.backend)
     try:
         if a.csv:
             with open(a.csv, "w", newline="") as fh:
@@ -539,7 +558,16 @@ def main(argv: list[str] | None = None) -> int:
     except Ds4Error as e:
         print(f"ds4-bench: {e}", file=sys.stderr)
         return 2
+    finally:
+        _end_distributed()
     return 0
+
+
+def _end_distributed() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from ds4 import dist
+
+        dist.shutdown()  # the followers exit too
 
 
 if __name__ == "__main__":
