@@ -512,10 +512,12 @@ class MoeConfig:
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
 # Measured 2026-11-29 on an H200 (Flash widths, 6 of 256 experts, cold L2): general kernels, gate+up bn 8
 # 89 us (bn 16: 115; k-splits 2-8 slower), down bn 32 39-62 us; the dedicated kernels (fast=True) 132 / 62 us.
-# Env DS4_MOE_INT8=1: the defaults run the Q8_K integer kernels (A/B of a whole decode step without edits).
+# Env DS4_MOE_INT8=1: the defaults run the Q8_K integer kernels, with their best tiles measured on the H200
+# (tools/gpu/bench_moe.py, B = 1/8/32: gate+up bn 16 40 us vs bn 8 56 us; down bn 64 25 us vs bn 32 26 us).
+# Off by default: the Q8_K error (~1 % of the output scale) exceeds the CUDA-vs-reference test tolerance.
 _INT8 = os.environ.get("DS4_MOE_INT8", "0") == "1"
-GATE_UP = MoeConfig(bn=8, splits=1, int8=_INT8)
-DOWN = MoeConfig(bn=32, splits=1, int8=_INT8)
+GATE_UP = MoeConfig(bn=16, splits=1, int8=True) if _INT8 else MoeConfig(bn=8, splits=1)
+DOWN = MoeConfig(bn=64, splits=1, int8=True) if _INT8 else MoeConfig(bn=32, splits=1)
 
 
 def _splits(n_kt: int, want: int) -> tuple[int, int]:
