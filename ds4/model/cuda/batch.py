@@ -15,7 +15,6 @@ The per-token work (projections, HC, router, MoE, head) is batched over the B ro
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -50,28 +49,11 @@ GROUPED_ROWS = int(os.environ.get("DS4_BATCH_GROUPED_ROWS", "0"))
 COMPILE = os.environ.get("DS4_BATCH_COMPILE", "0") == "1"
 
 
-def _fuse(fn):
-    compiled, failed = None, False
+def _compile_on() -> bool:
+    return COMPILE
 
-    def run(*args):
-        nonlocal compiled, failed
-        if not (COMPILE and fused.SWITCH.enabled) or failed:
-            return fn(*args)
-        if compiled is None:
-            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-            compiled = torch.compile(fn, dynamic=True)
-        try:
-            return compiled(*args)
-        except Exception as e:  # compile problems must not break decoding: stay eager
-            failed = True
-            print(
-                f"ds4: torch.compile of {fn.__name__} failed, running it eagerly: {e!r}"[:400],
-                file=sys.stderr,
-            )
-            return fn(*args)
 
-    run.__name__ = fn.__name__
-    return run
+_fuse = fused.fuse(dynamic=True, when=_compile_on)  # one compile per piece for every batch size
 
 
 @_fuse

@@ -44,17 +44,21 @@ class _Switch:
 SWITCH = _Switch()
 
 
-def fuse(fn):
+def fuse(fn=None, *, dynamic: bool = False, when=None):
+    """fn compiled (torch.compile, `dynamic` shapes) while SWITCH is on and `when()` (if given) holds;
+    usable bare (@fuse) or with options (@fuse(dynamic=True, when=...))."""
+    if fn is None:
+        return lambda f: fuse(f, dynamic=dynamic, when=when)
     compiled = None
     failed = False
 
     def run(*args):
         nonlocal compiled, failed
-        if not SWITCH.enabled or failed:
+        if not SWITCH.enabled or failed or (when is not None and not when()):
             return fn(*args)
         if compiled is None:
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-            compiled = torch.compile(fn, dynamic=False)
+            compiled = torch.compile(fn, dynamic=dynamic)
         try:
             return compiled(*args)
         except Exception as e:  # compile problems must not break decoding: stay eager
