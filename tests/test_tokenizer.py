@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import random
 import time
+import unicodedata
 from pathlib import Path
 
 import pytest
+import regex
 from conftest import BENCH_TEXT, OFFICIAL_TINY, TEST_VECTORS
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -315,6 +317,13 @@ def test_fast_pretokenizer_equals_generic_on_corpus(corpus, hf_plain):
     assert [T.byte_level(p) for p in T._pretokenize_fast(corpus[4])] == hf_pieces(hf_plain, corpus[4])
 
 
+def _same_in_every_unicode(c: str) -> bool:
+    """False for a code point Python's (older) Unicode data calls unassigned but the installed `regex`
+    module's (newer) Unicode assigns: HF's engine and `regex` classify those differently (the documented
+    Unicode-17 difference), so they cannot be part of an equality test."""
+    return unicodedata.category(c) != "Cn" or regex.match(r"\p{Cn}", c) is not None
+
+
 def _mixed_alphabet_text(rng: random.Random, size: int) -> str:
     """Random text over a random alphabet: ASCII, Latin-1, a few random BMP blocks, a few astral
     characters; controls, marks, unassigned and private-use code points included (no surrogates)."""
@@ -322,6 +331,7 @@ def _mixed_alphabet_text(rng: random.Random, size: int) -> str:
     for block in rng.sample([b for b in range(1, 0x100) if not 0xD8 <= b < 0xE0], 6):
         pool += [chr((block << 8) + rng.randrange(256)) for _ in range(40)]
     pool += [chr(rng.randrange(0x10000, 0x110000)) for _ in range(4)]
+    pool = [c for c in pool if _same_in_every_unicode(c)]
     pool += [" ", "  ", "\n", "\r\n", "\t", " a", "ab", "12345", "中文"] * 8
     return "".join(rng.choice(pool) for _ in range(size))
 
