@@ -234,3 +234,20 @@ def test_with_every_session_busy_a_job_waits_for_one() -> None:
         for t in threads.values():
             t.join(60)
     assert out == {"a": 200, "b": 200, "c": 200}
+
+
+def test_shutdown_saves_the_live_sessions_after_the_model_thread_stopped(engine, tmp_path) -> None:
+    """ds4-server's exit order: worker.stop(), stepper.stop(), then store_shutdown(): the snapshots run
+    once the model thread is gone (Stepper.call then runs in the caller) and every live session is saved."""
+    kv = KVStore(tmp_path, min_tokens=8, cold_max_tokens=0, ctx=CTX)  # cold saves off: only shutdown stores
+    server, stepper = _parallel_server(engine, 2, kv)
+    try:
+        with server, httpx.Client(base_url=server.base, timeout=300) as h:
+            for w in ("apples", "rivers"):
+                _chat(h, f"Please write a short note about {w} for me")
+    finally:
+        stepper.stop()
+    assert not stepper.alive and not list(tmp_path.glob("*.kv"))
+    server.worker.store_shutdown()
+    files = list(tmp_path.glob("*.kv"))
+    assert len(files) == 2 and {f.read_bytes()[5] for f in files} == {4}  # header byte 5: reason 4 = shutdown

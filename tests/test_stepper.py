@@ -193,3 +193,7 @@ def test_call_and_fetch_run_on_the_model_thread() -> None:
     finally:
         stepper.stop()
     assert not stepper.alive
+    # after stop: state work (e.g. the shutdown store's snapshots) runs in the caller, model calls are refused
+    assert stepper.call(lambda: threading.current_thread().name) == threading.current_thread().name
+    with pytest.raises(StepperStopped):
+        stepper.forward(State("c"), [1])

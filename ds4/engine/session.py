@@ -194,8 +194,11 @@ class Session:
 
     def snapshot(self) -> bytes:
         """The DSV4 payload (model.md §11.3) of this session."""
-        state = self._call(self.state.to_cpu) if hasattr(self.state, "to_cpu") else self.state  # CPU form
+        state = self._call(self._cpu_state)  # on the model thread: never beside a step that writes it
         return snap.encode(self.layout, self.tokens, self._logits, state)
+
+    def _cpu_state(self) -> KVState:
+        return self.state.to_cpu() if hasattr(self.state, "to_cpu") else self.state  # device state: CPU form
 
     def restore(self, blob: bytes) -> None:
         """Replace the timeline by a payload; raises SnapshotError (state untouched) if it does not fit."""

@@ -105,8 +105,10 @@ class Stepper:
         return self._submit(op)
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn() on the model thread (before the next step's model calls); blocks; returns its result."""
-        if threading.current_thread() is self._thread:
+        """Run fn() on the model thread (before the next step's model calls); blocks; returns its result.
+        Once the model thread has ended (after stop()), fn runs in the caller: nothing else touches the
+        model then (e.g. the server saving its sessions on shutdown)."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
             return fn()
         return self._submit(_Op(None, [], fn))
 
