@@ -146,9 +146,11 @@ def test_tile_table():
     assert len(tile_e) == 3 + 4 and tile_e.tolist()[len(want) :] == [-1] * 3
 
 
+@pytest.mark.parametrize("bm", [128, 32])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_moe_grouped(qtype):
-    N, K, M = 72, 256, 90  # expert 2 gets no rows; expert 3 spans two 64-row tiles
+def test_moe_grouped(qtype, bm, monkeypatch):
+    monkeypatch.setattr(matmul, "GROUPED_BM", bm)
+    N, K, M = 72, 256, 90  # expert 2 gets no rows; expert 3: one 128-row tile, or three 32-row ones
     w, raw = stack(qtype, (4, N, K), 9)
     offsets = torch.tensor([0, 11, 12, 12, 90], dtype=torch.int32, device=DEVICE)
     x = torch.randn(M, K, generator=generator(10), device=DEVICE)
