@@ -162,7 +162,7 @@ def test_rewind_to_prompt_checkpoint(engine, split_case):
 
 class InPlaceState:
     """A CPU stand-in for a pooled device state: same object for life, everything in place (the device
-    contract reset / copy_from / to_cpu / load_cpu of session2.md)."""
+    state contract: reset / copy_from / to_cpu / load_cpu, as ds4.model.cuda.state.DeviceKVState has)."""
 
     def __init__(self, model, ctx: int) -> None:
         self.model, self.ctx, self.inner = model, ctx, model.new_state(ctx)
