@@ -95,6 +95,19 @@ def _swiglu(g, u, clamp, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _store_gate_up(out_ptr, acc_g, acc_u, pair, pid_s, n, F, clamp, CLAMP: tl.constexpr, SPLIT: tl.constexpr):
+    """The output of a gate/up program with [BN] sums: SPLIT, raw (g, u) partials of k-split pid_s to
+    out [S, 2, pairs, F]; else the finished clamped SwiGLU to out [pairs, F]."""
+    if SPLIT:
+        n_pairs = tl.num_programs(1)
+        base = out_ptr + (pid_s.to(tl.int64) * 2 * n_pairs + pair) * F
+        tl.store(base + n, acc_g, mask=n < F)
+        tl.store(base + n_pairs.to(tl.int64) * F + n, acc_u, mask=n < F)
+    else:
+        tl.store(out_ptr + pair.to(tl.int64) * F + n, _swiglu(acc_g, acc_u, clamp, CLAMP), mask=n < F)
+
+
+@triton.jit
 def _swiglu_sum_kernel(part_ptr, out_ptr, M, S, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     """part [S, 2, M] (g, u partials) -> out [M] = SwiGLU(sum_s g, sum_s u), summed in fixed order."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -221,13 +234,7 @@ def _iq2_gate_up_kernel(
         xv = tl.load(xo + kt * 256 + xcol).to(tl.float32)  # [32, 2, 4]
         acc_g += _iq2_block(gq, gs, gd, tab32, wrow, kt, nb, xv)
         acc_u += _iq2_block(uq, us, ud, tab32, wrow, kt, nb, xv)
-    if SPLIT:
-        n_pairs = tl.num_programs(1)
-        base = out_ptr + (pid_s.to(tl.int64) * 2 * n_pairs + pair) * F
-        tl.store(base + n, acc_g, mask=n < F)
-        tl.store(base + n_pairs.to(tl.int64) * F + n, acc_u, mask=n < F)
-    else:
-        tl.store(out_ptr + pair.to(tl.int64) * F + n, _swiglu(acc_g, acc_u, clamp, CLAMP), mask=n < F)
+    _store_gate_up(out_ptr, acc_g, acc_u, pair, pid_s, n, F, clamp, CLAMP, SPLIT)
 
 
 @triton.jit
@@ -415,13 +422,7 @@ def _iq2_q8k_gate_up_kernel(
         acc_u += _iq2_q8k_block(uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, dx, DP4A)
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
-    if SPLIT:
-        n_pairs = tl.num_programs(1)
-        base = out_ptr + (pid_s.to(tl.int64) * 2 * n_pairs + pair) * F
-        tl.store(base + n, acc_g, mask=n < F)
-        tl.store(base + n_pairs.to(tl.int64) * F + n, acc_u, mask=n < F)
-    else:
-        tl.store(out_ptr + pair.to(tl.int64) * F + n, _swiglu(acc_g, acc_u, clamp, CLAMP), mask=n < F)
+    _store_gate_up(out_ptr, acc_g, acc_u, pair, pid_s, n, F, clamp, CLAMP, SPLIT)
 
 
 @triton.jit
