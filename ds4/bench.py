@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ds4 import launch
 from ds4.config import DEFAULT_MODEL_PATH, DEFAULT_SYSTEM_PROMPT
 from ds4.errors import Ds4Error
 
@@ -542,10 +543,7 @@ def plot(csv_path: Path, title: str) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if a.gpus or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from ds4 import dist
-
-        dist.start(a.gpus, list(sys.argv[1:] if argv is None else argv), "ds4.bench", a.backend)
+    launch.start(a.gpus, argv, "ds4.bench", a.backend)
     try:
         if a.csv:
             with open(a.csv, "w", newline="") as fh:
@@ -564,9 +562,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _end_distributed() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from ds4 import dist
-
+    dist = launch.current()
+    if dist is not None:
         dist.shutdown()  # the followers exit too
 
 

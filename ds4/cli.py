@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from ds4 import config
+from ds4 import config, launch
 from ds4.errors import Ds4Error, UsageError
 
 if TYPE_CHECKING:
@@ -446,7 +446,7 @@ def open_engine(args: argparse.Namespace, stack: contextlib.ExitStack) -> Engine
     path = resolve_model_path(args.model)
     stack.enter_context(InstanceLock())
     backend, threads = args.backend or default_backend(), requested_threads(args)
-    dist = _dist()
+    dist = launch.current()
     if dist is not None:
         dist.leader_message(("load", str(path), backend, threads))
     engine = Engine.open(path, backend=backend, threads=threads)
@@ -454,25 +454,6 @@ def open_engine(args: argparse.Namespace, stack: contextlib.ExitStack) -> Engine
     if dist is not None:
         engine.model = dist.wrap_or_follow(engine.model)
     return engine
-
-
-def _dist():
-    """ds4.dist when this process is one of several started by torchrun, else None (no torch import)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    from ds4 import dist
-
-    return dist
-
-
-def start_distributed(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
-    """--gpus N outside torchrun: exec this command under torch.distributed.run with N processes. Inside
-    torchrun: join the process group (gloo for --cpu, else NCCL when CUDA is present)."""
-    if _dist() is None and not (args.gpus and args.gpus > 1):
-        return  # the common case: no torch import here
-    from ds4 import dist
-
-    dist.start(args.gpus, list(sys.argv[1:] if argv is None else argv), "ds4", args.backend)
 
 
 def follower_main() -> int:
@@ -860,8 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         mode = select_mode(args)
-        start_distributed(args, argv)
-        dist = _dist()
+        dist = launch.start(args.gpus, argv, "ds4", args.backend)
         if dist is not None and dist.rank() > 0:
             return follower_main()
         try:

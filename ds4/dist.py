@@ -44,6 +44,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as tdist
 
+from ds4.launch import launched
+
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # The control group waits for rank 0's next call, which can be hours away on an idle server.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
@@ -55,11 +57,6 @@ _suspended = False  # local_only(): this process computes as if alone
 
 class DistError(RuntimeError):
     pass
-
-
-def launched() -> bool:
-    """True when torchrun (or an equivalent launcher) started this process as one of several."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def init(backend: str | None = None) -> bool:

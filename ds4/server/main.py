@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ds4 import config
+from ds4 import config, launch
 from ds4.engine.stepper import DEFAULT_GATHER_S  # torch-free: --help stays light
 
 EPILOG = f"""\
@@ -168,19 +168,6 @@ def _host(text: str) -> str:
     return host
 
 
-def _start_distributed(args: argparse.Namespace, argv: Sequence[str] | None) -> Any:
-    """--gpus N: re-exec under torchrun (does not return); inside torchrun: join the group and return
-    ds4.dist; else None (no torch import)."""
-    import os
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not (args.gpus and args.gpus > 1):
-        return None
-    from ds4 import dist
-
-    dist.start(args.gpus, list(sys.argv[1:] if argv is None else argv), "ds4.server.main", args.backend)
-    return dist if dist.active() else None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -198,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gpus is not None and args.gpus < 1:
         print("ds4-server: --gpus must be at least 1", file=sys.stderr)
         return 2
-    dist = _start_distributed(args, argv)
+    dist = launch.start(args.gpus, argv, "ds4.server.main", args.backend)
     import uvicorn
 
     from ds4.cli import resolve_model_path
