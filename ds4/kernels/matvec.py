@@ -455,4 +455,174 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["Q8Config", "Q8_MV1", "dot_rows", "q8_mv1", "qmatvec", "qmatvec_grouped", "use_triton"]
+# ---------------------------------------------------------------------------------------------------------
+# hmatvec: x f32 [B, K] @ W[N, K]^T for float16 / bfloat16 matrices (the decode step's "side" matrices:
+# compressor kv/gate, indexer proj and q_b, router), stored in the file's half precision, several of them
+# concatenated along N when they share an input vector. Weight bytes bound the time: a program owns BN rows,
+# loads [BN, TK] half tiles (contiguous rows: 16-byte loads) once for all its B rows, and accumulates in f32.
+#   mode "fma"   : CUDA-core FMAs, per-lane partial sums [BB, BN, TK] reduced once after the k loop; exact
+#                  f32 products. BB <= 4 rows per program (more rows would spill: larger B re-reads W).
+#   mode "ieee"  : tl.dot(x, W^T) with input_precision="ieee" (f32 FMAs, Triton's dot layout), BB = 16 | 32.
+#   mode "tf32x2": two tf32 tensor-core dots: W (f16 / bf16) is exact in tf32, x = hi + lo where hi keeps
+#                  x's top 10 mantissa bits (exact in tf32) and lo = x - hi (exact in f32, rounded to tf32
+#                  by the mma): products off by <= ~2^-21 relative, near f32 summation noise.
+#   mode "tf32x3": Triton's built-in 3-pass tf32 (one pass wasted, W has no low part); for comparison.
+# Split-K partials go to a [S, B, N] buffer summed in fixed order (deterministic) when N / BN alone gives
+# too few programs. Constraint: K % HALF_K_ALIGN == 0 (the smallest k-tile; no masks in the k loop).
+# Legend: B activation rows, N output rows, K row length, BB/BN rows per program, TK elements per k-tile.
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+HALF_K_ALIGN = 64  # every row length must be a multiple of this (the smallest k-tile)
+_HALF_MODES = {"fma": 0, "ieee": 1, "tf32x2": 2, "tf32x3": 3}
+HALF_FMA_MAX_BB = 4  # rows of x per program in mode "fma" (acc registers grow with BB * BN * TK)
+
+
+@dataclass(frozen=True)
+class HalfConfig:
+    """Tile of hmatvec: BN weight rows per program, TK elements per k-tile (an upper bound: the largest power
+    of two <= tk dividing K is used; in mode "fma" tk is divided by BB to keep the per-lane sums in
+    registers), warps, pipeline stages of the k loop, programs split-K aims for, and the inner product."""
+
+    bn: int = 8
+    tk: int = 512
+    warps: int = 4
+    stages: int = 2
+    target: int = 1056
+    mode: str = "fma"
+
+
+# Defaults, NOT yet timed on a GPU: the lead tunes them with tools/gpu/bench_side.py (cold-L2 GB/s at Flash
+# shapes). HMV_SMALL serves B <= HALF_SMALL_B (decode at one state), HMV_LARGE larger batches.
+HALF_SMALL_B = 4
+HMV_SMALL = HalfConfig(bn=8, tk=512, warps=4, stages=2, target=1056, mode="fma")
+HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="ieee")
+
+
+@triton.jit
+def _hmv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    B,
+    N,
+    K,
+    kt_per_split,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    TK: tl.constexpr,
+    MODE: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = tl.minimum(n, N - 1).to(tl.int64)  # clamped: the loads need no mask, the store has one
+    b = pid_b * BB + tl.arange(0, BB)
+    bmask = b < B
+    col = tl.arange(0, TK)
+    wp = w_ptr + wrow[:, None] * K + col[None, :]  # [BN, TK]
+    xp = x_ptr + b[:, None].to(tl.int64) * K + col[None, :]  # [BB, TK]
+    kt_lo = pid_s * kt_per_split
+    kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
+    if MODE == 0:
+        acc = tl.zeros([BB, BN, TK], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BB, BN], dtype=tl.float32)
+    for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
+        w = tl.load(wp + kt * TK).to(tl.float32)  # [BN, TK]: exact (f16 and bf16 are subsets of f32)
+        xv = tl.load(xp + kt * TK, mask=bmask[:, None], other=0.0)  # [BB, TK] f32
+        if MODE == 0:
+            acc += xv[:, None, :] * w[None, :, :]
+        elif MODE == 1:
+            acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
+        elif MODE == 2:
+            hi = (xv.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # low 13 bits cleared
+            acc = tl.dot(hi, tl.trans(w), acc, input_precision="tf32")
+            acc = tl.dot(xv - hi, tl.trans(w), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(xv, tl.trans(w), acc, input_precision="tf32x3")
+    if MODE == 0:
+        y = tl.sum(acc, axis=2)
+    else:
+        y = acc
+    out = out_ptr + pid_s.to(tl.int64) * B * N + b[:, None].to(tl.int64) * N + n[None, :]
+    tl.store(out, y, mask=bmask[:, None] & (n < N)[None, :])
+
+
+def _check_half(x: torch.Tensor, w: torch.Tensor) -> None:
+    """One clear error per bad input of hmatvec."""
+    if w.ndim != 2 or w.dtype not in HALF_DTYPES:
+        raise ValueError(
+            f"hmatvec: w must be a float16 or bfloat16 [N, K] matrix, got {w.dtype} {list(w.shape)}"
+        )
+    if not w.is_contiguous():
+        raise ValueError(f"hmatvec: w must be contiguous (row-major [N, K]), got strides {w.stride()}")
+    K = w.shape[1]
+    if K % HALF_K_ALIGN:
+        raise ValueError(f"hmatvec: K must be a multiple of {HALF_K_ALIGN}, got K={K}")
+    if x.ndim != 2 or x.shape[1] != K:
+        raise ValueError(f"hmatvec: x must be [B, {K}], got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"hmatvec: x must be floating point, got {x.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"hmatvec: w is on {w.device} but x is on {x.device}")
+
+
+def _half_tile_k(k: int, cap: int) -> int:
+    """The largest power of two in [HALF_K_ALIGN, cap] dividing k (cap below the minimum: the minimum)."""
+    tk = HALF_K_ALIGN
+    while tk * 2 <= cap and k % (tk * 2) == 0:
+        tk *= 2
+    return tk
+
+
+def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> torch.Tensor:
+    """x [B, K] f32 (other float dtypes upcast) @ w[N, K]^T, w float16 | bfloat16 contiguous -> [B, N] f32.
+
+    f32 accumulation: equal to x @ w.float().T up to summation order. K % HALF_K_ALIGN == 0. cfg: the tile
+    (default HMV_SMALL for B <= HALF_SMALL_B, else HMV_LARGE). Triton on CUDA (or under the interpreter),
+    else the torch twin.
+    """
+    _check_half(x, w)
+    x = x.float().contiguous()
+    if not use_triton(x):
+        return ref.hmatvec(x, w)
+    B, (N, K) = x.shape[0], w.shape
+    if B == 0 or N == 0:
+        return torch.zeros(B, N, dtype=torch.float32, device=x.device)
+    cfg = cfg or (HMV_SMALL if B <= HALF_SMALL_B else HMV_LARGE)
+    if cfg.mode not in _HALF_MODES:
+        raise ValueError(f"hmatvec: mode must be one of {sorted(_HALF_MODES)}, got {cfg.mode!r}")
+    if cfg.mode == "fma":
+        bb = min(triton.next_power_of_2(B), HALF_FMA_MAX_BB)
+        tk = _half_tile_k(K, cfg.tk // bb)
+    else:  # tl.dot needs >= 16 along every dimension
+        bb = 16 if B <= 16 else 32
+        tk = _half_tile_k(K, cfg.tk)
+    n_prog, n_kt = triton.cdiv(N, cfg.bn) * triton.cdiv(B, bb), K // tk
+    splits = min(n_kt, max(1, triton.cdiv(cfg.target, n_prog)))
+    per = triton.cdiv(n_kt, splits)
+    splits = triton.cdiv(n_kt, per)
+    out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, cfg.bn), triton.cdiv(B, bb), splits)
+    _hmv_kernel[grid](
+        x, w, out, B, N, K, per,
+        BB=bb, BN=cfg.bn, TK=tk, MODE=_HALF_MODES[cfg.mode], STAGES=cfg.stages, num_warps=cfg.warps,
+    )  # fmt: skip
+    return out[0] if splits == 1 else out.sum(0)
+
+
+__all__ = [
+    "HMV_LARGE",
+    "HMV_SMALL",
+    "HalfConfig",
+    "Q8Config",
+    "Q8_MV1",
+    "dot_rows",
+    "hmatvec",
+    "q8_mv1",
+    "qmatvec",
+    "qmatvec_grouped",
+    "use_triton",
+]

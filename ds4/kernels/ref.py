@@ -281,3 +281,12 @@ def router_topk(logits, bias, k: int, scale: float, normalize: bool = True):
     if normalize:
         w = w / w.sum(-1, keepdim=True)
     return ids.to(torch.int32), w * scale
+
+
+# =========================================================================================================
+# Half-precision side matrices: hmatvec (matvec.py). Legend: B rows, N output rows, K row length.
+
+
+def hmatvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, K] @ w[N, K]^T (w float16 | bfloat16, exact in f32) -> [B, N] f32."""
+    return x.float() @ w.float().T
