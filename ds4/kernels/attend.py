@@ -1,18 +1,24 @@
-"""Decode attention and indexer scores read from the KV pool buffers in place (no gathered / concatenated keys).
+"""Decode attention and indexer scores reading the KV pool buffers in place (no gathered / concatenated keys).
 
-Legend: B rows of the step, S pool slots, H heads, D = head_dim, W = window (raw ring rows), cap = compressed-row
-capacity, k = indexer top-k, P = RoPE pairs (n_rot = 2P, the tail of each row), Hi/Di indexer heads/dim.
+Legend: B rows of the step, S pool slots, H heads, D = head_dim, W = window (raw ring rows), cap =
+compressed-row capacity, k = indexer top-k, n = W + k (or W + cap) keys of a row, P = RoPE pairs (n_rot = 2P,
+the tail of each row), Hi/Di indexer heads/dim, NS key splits.
 
   attend_decode(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_freq) -> o [B, H, D]
       row b attends over the W ring rows raw[slot[b]] (ring row j holds position pos - ((pos - j) mod W),
       visible iff >= 0) and the compressed rows comp[slot[b], comp_idx[b]] (or all cap rows when comp_idx is
       None; row c visible iff c < (pos + 1) // ratio), keys = values (one shared KV head), softmax with one
       sink logit per head that only enlarges the denominator; the output is de-rotated (inverse RoPE at pos).
+      2 launches (flash-decoding): programs (row, key split, head block) keep a running max / sum / output
+      over their keys; one program per (row, head) merges the splits (log-sum-exp), adds the sink, de-rotates.
   indexer_scores(qi, wts, rows, slot, count) -> [B, cap]
-      score[b, c] = sum_h relu(qi[b, h] . rows[slot[b], c]) * wts[b, h], -inf for c >= count[b].
+      score[b, c] = sum_h relu(qi[b, h] . rows[slot[b], c]) * wts[b, h], -inf for c >= count[b]. 1 launch;
+      blocks past count[b] read nothing.
 
 Each dispatches to Triton on CUDA tensors (or under TRITON_INTERPRET=1) and to its torch twin
-(`attend_decode_ref`, `indexer_scores_ref`, below) elsewhere. All math f32 with exact products.
+(`attend_decode_ref`, `indexer_scores_ref`) elsewhere. f32 throughout with exact products (tl.dot with
+input_precision "ieee", i.e. FMA, never TF32); slot / pos / indices are read on the device (no host sync,
+CUDA-graph capturable); the launch grids depend only on shapes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,20 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
+
+# Tiling (to be tuned on the H200): heads per program, keys per inner block, splits aimed at this many
+# programs in all (about two per SM), rows per indexer program.
+ATTEND_BH = 16
+ATTEND_BN = 16
+ATTEND_PROGRAMS = 264
+ATTEND_WARPS = 8
+INDEX_BC = 32
+INDEX_WARPS = 8
+# Precision of the in-kernel dots: "ieee" (exact f32 products, FMA). "tf32x3" (tensor cores, about f32
+# accurate) is the option to time if the FMA dots turn out to bound large batches; env DS4_ATTEND_DOT.
+DOT_PRECISION = os.environ.get("DS4_ATTEND_DOT", "ieee")
 
 # =========================================================================================================
 # Torch twins: the CPU path and the tests' oracles. They build exactly what attention_decode_batch built
@@ -79,6 +99,189 @@ def indexer_scores_ref(qi, wts, rows, slot, count):
 
 
 # =========================================================================================================
+# attend_decode: partial softmax-attention over key splits, then the merge.
+
+
+@triton.jit
+def _attend_partial(
+    q_ptr, raw_ptr, comp_ptr, idx_ptr, slot_ptr, pos_ptr, pm_ptr, pl_ptr, po_ptr,
+    H, D, W, cap, NC, ratio, scale, blocks_per_split,
+    HAS_COMP: tl.constexpr, HAS_IDX: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """Program (b, split, head block): running max m, sum l and output acc over the split's keys.
+
+    Key j < W is ring row j (visible iff j <= pos: below W the ring is not yet full); key j >= W is
+    compressed row c = comp_idx[b, j - W] (or j - W), visible iff c < (pos + 1) // ratio. Invisible keys are
+    never loaded (masked to 0) and score -inf. Writes pm/pl [B, NS, H] and po [B, NS, H, D]."""
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    NS = tl.num_programs(1)
+    h = tl.program_id(2) * BH + tl.arange(0, BH)
+    hm = h < H
+    d = tl.arange(0, BD)
+    dm = d < D
+    q = tl.load(q_ptr + (b * H + h)[:, None] * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    n_keys = W + NC
+    count = pos * 0
+    if HAS_COMP:
+        count = (pos + 1) // ratio
+        if not HAS_IDX:  # rows past count are all invisible: stop there
+            n_keys = W + tl.minimum(count, NC)
+    j_lo = sp * blocks_per_split * BN
+    j_hi = tl.minimum(j_lo + blocks_per_split * BN, n_keys)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BD], tl.float32)
+    for j0 in range(j_lo, j_hi, BN):
+        j = j0 + tl.arange(0, BN)
+        vis = (j < W) & (j <= pos)
+        kv = tl.load(
+            raw_ptr + (slot * W + j)[:, None] * D + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0
+        )
+        if HAS_COMP:
+            i = j - W
+            inc = (j >= W) & (i < NC)
+            c = i
+            if HAS_IDX:
+                c = tl.load(idx_ptr + b * NC + i, mask=inc, other=0).to(tl.int64)
+            cvis = inc & (c >= 0) & (c < count) & (c < cap)
+            kv += tl.load(
+                comp_ptr + (slot * cap + c)[:, None] * D + d[None, :],
+                mask=cvis[:, None] & dm[None, :],
+                other=0.0,
+            )
+            vis = vis | cvis
+        s = tl.dot(q, tl.trans(kv), input_precision=PREC) * scale  # [BH, BN]
+        s = tl.where(vis[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible yet: no NaN
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision=PREC)
+        m_i = m_new
+    part = (b * NS + sp) * H + h  # [BH]
+    tl.store(pm_ptr + part, m_i, mask=hm)
+    tl.store(pl_ptr + part, l_i, mask=hm)
+    tl.store(po_ptr + part[:, None] * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _attend_merge(
+    pm_ptr, pl_ptr, po_ptr, sink_ptr, pos_ptr, inv_ptr, out_ptr, NS, H, D, R,
+    BS: tl.constexpr, BP: tl.constexpr,
+):  # fmt: skip
+    """Program (b, h): o = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)) with M the max
+    of the m_s and the sink, then inverse RoPE at pos[b] on the last R dims. The row is handled as its BP
+    adjacent pairs (even, odd dims)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BS)
+    sm = s < NS
+    part = (b * NS + s) * H + h  # [BS]
+    m = tl.load(pm_ptr + part, mask=sm, other=float("-inf"))
+    lsum = tl.load(pl_ptr + part, mask=sm, other=0.0)
+    sink = tl.load(sink_ptr + h).to(tl.float32)
+    big = tl.maximum(tl.max(m, axis=0), sink)  # finite: the sink is
+    w = tl.exp(m - big)  # [BS], 0 for empty splits
+    inv_den = 1.0 / (tl.sum(lsum * w, axis=0) + tl.exp(sink - big))
+    i = tl.arange(0, BP)
+    im = 2 * i < D
+    a = tl.zeros([BP], tl.float32)  # even dims
+    c = tl.zeros([BP], tl.float32)  # odd dims
+    for k in range(0, NS):
+        part_k = (b * NS + k) * H + h
+        wk = tl.exp(tl.load(pm_ptr + part_k) - big)
+        a += wk * tl.load(po_ptr + part_k * D + 2 * i, mask=im, other=0.0)
+        c += wk * tl.load(po_ptr + part_k * D + 2 * i + 1, mask=im, other=0.0)
+    a = a * inv_den
+    c = c * inv_den
+    jr = i - (D - R) // 2  # rotated pair index, < 0 in the nope part
+    rot = jr >= 0
+    pos = tl.load(pos_ptr + b).to(tl.float32)
+    ang = pos * tl.load(inv_ptr + jr, mask=rot & im, other=0.0)
+    cs = tl.where(rot, tl.cos(ang), 1.0)
+    sn = tl.where(rot, tl.sin(ang), 0.0)
+    out = out_ptr + (b * H + h) * D + 2 * i
+    tl.store(out, a * cs + c * sn, mask=im)  # rotation by -ang
+    tl.store(out + 1, c * cs - a * sn, mask=im)
+
+
+def _splits(B: int, H: int, n: int) -> tuple[int, int]:
+    """(NS, key blocks per split): enough programs to fill the GPU when B is small, never empty splits."""
+    blocks = max(1, triton.cdiv(n, ATTEND_BN))
+    per_row = B * triton.cdiv(H, ATTEND_BH)
+    want = max(1, min(blocks, triton.cdiv(ATTEND_PROGRAMS, per_row)))
+    per_split = triton.cdiv(blocks, want)
+    return triton.cdiv(blocks, per_split), per_split
+
+
+def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_freq):
+    B, H, D = q.shape
+    W = raw.shape[1]
+    cap = comp.shape[1] if comp is not None else 0
+    NC = (comp_idx.shape[1] if comp_idx is not None else cap) if comp is not None else 0
+    NS, per_split = _splits(B, H, W + NC)
+    dev = q.device
+    pm = torch.empty(B, NS, H, device=dev, dtype=torch.float32)
+    pl = torch.empty(B, NS, H, device=dev, dtype=torch.float32)
+    po = torch.empty(B, NS, H, D, device=dev, dtype=torch.float32)
+    out = torch.empty(B, H, D, device=dev, dtype=torch.float32)
+    if B == 0:
+        return out
+    q = q.float().contiguous()
+    raw = raw.float().contiguous()
+    _attend_partial[(B, NS, triton.cdiv(H, ATTEND_BH))](
+        q, raw, comp.float().contiguous() if comp is not None else raw,
+        comp_idx.contiguous() if comp_idx is not None else slot, slot.contiguous(), pos.contiguous(),
+        pm, pl, po, H, D, W, cap, NC, max(int(ratio), 1), float(scale), per_split,
+        HAS_COMP=comp is not None, HAS_IDX=comp_idx is not None, BH=ATTEND_BH, BN=ATTEND_BN,
+        BD=triton.next_power_of_2(D), PREC=DOT_PRECISION, num_warps=ATTEND_WARPS,
+    )  # fmt: skip
+    _attend_merge[(B, H)](
+        pm, pl, po, sinks.float().contiguous(), pos.contiguous(), inv_freq.float().contiguous(), out,
+        NS, H, D, 2 * inv_freq.numel(), BS=triton.next_power_of_2(NS), BP=triton.next_power_of_2(D // 2),
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# =========================================================================================================
+# indexer_scores: one launch, programs (row, block of compressed rows).
+
+
+@triton.jit
+def _indexer_kernel(
+    qi_ptr, w_ptr, rows_ptr, slot_ptr, count_ptr, out_ptr, Hi, Di, cap,
+    BH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    count = tl.minimum(tl.load(count_ptr + b).to(tl.int64), cap)
+    score = tl.full([BC], float("-inf"), tl.float32)
+    if tl.program_id(1) * BC < count:  # a block wholly past count reads nothing
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        h = tl.arange(0, BH)
+        hm = h < Hi
+        d = tl.arange(0, BD)
+        dm = d < Di
+        cm = c < count
+        qi = tl.load(
+            qi_ptr + (b * Hi + h)[:, None] * Di + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0
+        )
+        r = tl.load(
+            rows_ptr + (slot * cap + c)[:, None] * Di + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0
+        )
+        wts = tl.load(w_ptr + b * Hi + h, mask=hm, other=0.0)
+        s = tl.maximum(tl.dot(qi, tl.trans(r), input_precision=PREC), 0.0)  # [BH, BC]
+        score = tl.where(cm, tl.sum(s * wts[:, None], axis=0), float("-inf"))
+    tl.store(out_ptr + b * cap + c, score, mask=c < cap)
+
+
+# =========================================================================================================
 # Dispatchers
 
 
@@ -102,6 +305,7 @@ def _check_attend(q, raw, slot, pos, comp, comp_idx, ratio, sinks, inv_freq) -> 
     _check(tuple(sinks.shape) == (H,), f"attend_decode: sinks must be [{H}], got {tuple(sinks.shape)}")
     R = 2 * inv_freq.numel()
     _check(0 < R <= D, f"attend_decode: 2 * len(inv_freq) = {R} must be in 1..{D}")
+    _check(D % 2 == 0, f"attend_decode: head dim must be even (RoPE pairs), got {D}")
     if comp is None:
         _check(comp_idx is None, "attend_decode: comp_idx given without comp")
         return
@@ -134,6 +338,8 @@ def attend_decode(
 
     slot/pos [B] int64 device tensors; sinks [H]; scale = D**-0.5 usually; inv_freq [P]."""
     _check_attend(q, raw, slot, pos, comp, comp_idx, ratio, sinks, inv_freq)
+    if _use_triton(q):
+        return _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_freq)
     return attend_decode_ref(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_freq)
 
 
@@ -151,7 +357,17 @@ def indexer_scores(
     )
     _check(tuple(slot.shape) == (B,), f"indexer_scores: slot must be [{B}], got {tuple(slot.shape)}")
     _check(tuple(count.shape) == (B,), f"indexer_scores: count must be [{B}], got {tuple(count.shape)}")
-    return indexer_scores_ref(qi, wts, rows, slot, count)
+    if not _use_triton(qi):
+        return indexer_scores_ref(qi, wts, rows, slot, count)
+    cap = rows.shape[1]
+    out = torch.empty(B, cap, device=qi.device, dtype=torch.float32)
+    if B and cap:
+        _indexer_kernel[(B, triton.cdiv(cap, INDEX_BC))](
+            qi.float().contiguous(), wts.float().contiguous(), rows.float().contiguous(), slot.contiguous(),
+            count.contiguous(), out, Hi, Di, cap, BH=max(16, triton.next_power_of_2(Hi)), BC=INDEX_BC,
+            BD=max(16, triton.next_power_of_2(Di)), PREC=DOT_PRECISION, num_warps=INDEX_WARPS,
+        )  # fmt: skip
+    return out
 
 
 __all__ = ["attend_decode", "attend_decode_ref", "indexer_scores", "indexer_scores_ref"]
