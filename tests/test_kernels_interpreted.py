@@ -17,7 +17,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["test_kernels_quant.py", "test_kernels_moe.py", "test_kernels_fused.py"]
+MODULES = ["test_kernels_quant.py", "test_kernels_moe.py", "test_kernels_fused.py", "test_kernels_side.py"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU present: the kernel tests run compiled, directly")

@@ -494,7 +494,7 @@ class HalfConfig:
 # Defaults, NOT yet timed on a GPU: the lead tunes them with tools/gpu/bench_side.py (cold-L2 GB/s at Flash
 # shapes). HMV_SMALL serves B <= HALF_SMALL_B (decode at one state), HMV_LARGE larger batches.
 HALF_SMALL_B = 4
-HMV_SMALL = HalfConfig(bn=8, tk=512, warps=4, stages=2, target=1056, mode="fma")
+HMV_SMALL = HalfConfig(bn=8, tk=512, warps=4, stages=1, target=1056, mode="fma")  # Q8_MV1's tuned shape
 HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="ieee")
 
 
@@ -513,8 +513,8 @@ def _hmv_kernel(
     MODE: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    pid_b = tl.program_id(0)  # fastest: the row chunks of one weight tile run together (L2 re-reads)
+    pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     n = pid_n * BN + tl.arange(0, BN)
     wrow = tl.minimum(n, N - 1).to(tl.int64)  # clamped: the loads need no mask, the store has one
@@ -605,7 +605,7 @@ def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> 
     per = triton.cdiv(n_kt, splits)
     splits = triton.cdiv(n_kt, per)
     out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, cfg.bn), triton.cdiv(B, bb), splits)
+    grid = (triton.cdiv(B, bb), triton.cdiv(N, cfg.bn), splits)
     _hmv_kernel[grid](
         x, w, out, B, N, K, per,
         BB=bb, BN=cfg.bn, TK=tk, MODE=_HALF_MODES[cfg.mode], STAGES=cfg.stages, num_warps=cfg.warps,
