@@ -17,7 +17,13 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["test_kernels_quant.py", "test_kernels_moe.py", "test_kernels_fused.py", "test_kernels_side.py"]
+MODULES = [
+    "test_kernels_quant.py",
+    "test_kernels_moe.py",
+    "test_kernels_fused.py",
+    "test_kernels_side.py",
+    "test_kernels_attend.py",
+]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU present: the kernel tests run compiled, directly")
