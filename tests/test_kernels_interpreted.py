@@ -23,6 +23,7 @@ MODULES = [
     "test_kernels_fused.py",
     "test_kernels_side.py",
     "test_kernels_attend.py",
+    "test_kernels_compress.py",
 ]
 
 
