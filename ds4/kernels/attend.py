@@ -140,7 +140,7 @@ def _attend_partial(
         vis = (j < W) & (j <= pos)
         kv = tl.load(
             raw_ptr + (slot * W + j)[:, None] * D + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0
-        )
+        ).to(tl.float32)
         if HAS_COMP:
             i = j - W
             inc = (j >= W) & (i < NC)
@@ -152,7 +152,7 @@ def _attend_partial(
                 comp_ptr + (slot * cap + c)[:, None] * D + d[None, :],
                 mask=cvis[:, None] & dm[None, :],
                 other=0.0,
-            )
+            ).to(tl.float32)
             vis = vis | cvis
         s = tl.dot(q, tl.trans(kv), input_precision=PREC) * scale  # [BH, BN]
         s = tl.where(vis[None, :], s, float("-inf"))
@@ -233,9 +233,8 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
     if B == 0:
         return out
     q = q.float().contiguous()
-    raw = raw.float().contiguous()
     _attend_partial[(B, NS, triton.cdiv(H, ATTEND_BH))](
-        q, raw, comp.float().contiguous() if comp is not None else raw,
+        q, raw, comp if comp is not None else raw,
         comp_idx.contiguous() if comp_idx is not None else slot, slot.contiguous(), pos.contiguous(),
         pm, pl, po, H, D, W, cap, NC, max(int(ratio), 1), float(scale), per_split,
         HAS_COMP=comp is not None, HAS_IDX=comp_idx is not None, BH=ATTEND_BH, BN=ATTEND_BN,
@@ -274,7 +273,7 @@ def _indexer_kernel(
         )
         r = tl.load(
             rows_ptr + (slot * cap + c)[:, None] * Di + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0
-        )
+        ).to(tl.float32)
         wts = tl.load(w_ptr + b * Hi + h, mask=hm, other=0.0)
         s = tl.maximum(tl.dot(qi, tl.trans(r), input_precision=PREC), 0.0)  # [BH, BC]
         score = tl.where(cm, tl.sum(s * wts[:, None], axis=0), float("-inf"))
@@ -300,6 +299,7 @@ def _check_attend(q, raw, slot, pos, comp, comp_idx, ratio, sinks, inv_freq) -> 
     _check(
         raw.ndim == 3 and raw.shape[2] == D, f"attend_decode: raw must be [S, W, {D}], got {tuple(raw.shape)}"
     )
+    _check(raw.is_contiguous(), "attend_decode: raw must be contiguous (the pool buffer is read in place)")
     _check(tuple(slot.shape) == (B,), f"attend_decode: slot must be [{B}], got {tuple(slot.shape)}")
     _check(tuple(pos.shape) == (B,), f"attend_decode: pos must be [{B}], got {tuple(pos.shape)}")
     _check(tuple(sinks.shape) == (H,), f"attend_decode: sinks must be [{H}], got {tuple(sinks.shape)}")
@@ -314,6 +314,7 @@ def _check_attend(q, raw, slot, pos, comp, comp_idx, ratio, sinks, inv_freq) -> 
         comp.ndim == 3 and comp.shape[0] == raw.shape[0] and comp.shape[2] == D,
         f"attend_decode: comp must be [{raw.shape[0]}, cap, {D}], got {tuple(comp.shape)}",
     )
+    _check(comp.is_contiguous(), "attend_decode: comp must be contiguous (the pool buffer is read in place)")
     if comp_idx is not None:
         _check(
             comp_idx.ndim == 2 and comp_idx.shape[0] == B,
@@ -355,6 +356,7 @@ def indexer_scores(
         rows.ndim == 3 and rows.shape[2] == Di,
         f"indexer_scores: rows must be [S, cap, {Di}], got {tuple(rows.shape)}",
     )
+    _check(rows.is_contiguous(), "indexer_scores: rows must be contiguous (the pool buffer is read in place)")
     _check(tuple(slot.shape) == (B,), f"indexer_scores: slot must be [{B}], got {tuple(slot.shape)}")
     _check(tuple(count.shape) == (B,), f"indexer_scores: count must be [{B}], got {tuple(count.shape)}")
     if not _use_triton(qi):
@@ -363,7 +365,7 @@ def indexer_scores(
     out = torch.empty(B, cap, device=qi.device, dtype=torch.float32)
     if B and cap:
         _indexer_kernel[(B, triton.cdiv(cap, INDEX_BC))](
-            qi.float().contiguous(), wts.float().contiguous(), rows.float().contiguous(), slot.contiguous(),
+            qi.float().contiguous(), wts.float().contiguous(), rows, slot.contiguous(),
             count.contiguous(), out, Hi, Di, cap, BH=max(16, triton.next_power_of_2(Hi)), BC=INDEX_BC,
             BD=max(16, triton.next_power_of_2(Di)), PREC=DOT_PRECISION, num_warps=INDEX_WARPS,
         )  # fmt: skip
