@@ -61,6 +61,8 @@ def _case(r: int, h: int, n_rot: int, pos: list[int], slot: list[int], S: int, c
 def _run(fn, args, n_rot: int, indexer: bool, device) -> list[torch.Tensor]:
     """fn on copies of the inputs on `device` -> the updated [fk, fs, rows] on the CPU."""
     kv_new, score_new, ape, fk, fs, rows, slot, pos, norm, inv = (t.clone().to(device) for t in args)
+    both = torch.cat([score_new, kv_new], dim=1)  # column slices of one matvec output, as the model passes
+    score_new, kv_new = both[:, : score_new.shape[1]], both[:, score_new.shape[1] :]
     fn(kv_new, score_new, ape, fk, fs, rows, slot, pos, norm, inv, EPS, n_rot, indexer)
     return [t.cpu() for t in (fk, fs, rows)]
 

@@ -94,7 +94,7 @@ def _hadamard_fp4_row(y, H: tl.constexpr, LOG2H: tl.constexpr, hscale, fp4_floor
 @triton.jit
 def _compress_decode_kernel(
     kvn_ptr, scn_ptr, ape_ptr, fk_ptr, fs_ptr, rows_ptr, slot_ptr, pos_ptr, norm_ptr, inv_ptr,
-    cap, eps, hscale, fp4_floor,
+    cap, skv, ssc, eps, hscale, fp4_floor,
     R: tl.constexpr, H: tl.constexpr, NROT: tl.constexpr, OVERLAP: tl.constexpr, INDEXER: tl.constexpr,
     HAS_SLOT: tl.constexpr, LOG2H: tl.constexpr, CH: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
 ):  # fmt: skip
@@ -115,8 +115,8 @@ def _compress_decode_kernel(
     col = tl.arange(0, BH)
     cm = col < H
     # this token's candidate columns (substituted for row `at` below: it is only stored at the end)
-    kn = tl.load(kvn_ptr + b * W + OFF + col, mask=cm, other=0.0)
-    sn = tl.load(scn_ptr + b * W + OFF + col, mask=cm, other=0.0)
+    kn = tl.load(kvn_ptr + b * skv + OFF + col, mask=cm, other=0.0)
+    sn = tl.load(scn_ptr + b * ssc + OFF + col, mask=cm, other=0.0)
     sn += tl.load(ape_ptr + m * W + OFF + col, mask=cm, other=0.0)
 
     # softmax pooling over the candidates per column, online over chunks of CH candidates
@@ -163,8 +163,10 @@ def _compress_decode_kernel(
     tl.debug_barrier()
     wc = tl.arange(0, BW)
     wm = wc < W
-    kw = tl.load(kvn_ptr + b * W + wc, mask=wm, other=0.0)
-    sw = tl.load(scn_ptr + b * W + wc, mask=wm, other=0.0) + tl.load(ape_ptr + m * W + wc, mask=wm, other=0.0)
+    kw = tl.load(kvn_ptr + b * skv + wc, mask=wm, other=0.0)
+    sw = tl.load(scn_ptr + b * ssc + wc, mask=wm, other=0.0) + tl.load(
+        ape_ptr + m * W + wc, mask=wm, other=0.0
+    )
     tl.store(fk_ptr + front + at * W + wc, kw, mask=wm & (m != R - 1))
     tl.store(fs_ptr + front + at * W + wc, sw, mask=wm & (m != R - 1))
     E0: tl.constexpr = R if OVERLAP else 0  # first row to empty
@@ -245,6 +247,12 @@ def _shapes(kv_new, score_new, ape, fk, fs, rows, slot, pos, norm, inv_freq, n_r
     return B, S, r, c, h, cap
 
 
+def _rows_f32(t: torch.Tensor) -> torch.Tensor:
+    """t [B, n] as float32 with unit column stride (its row stride is passed to the kernel)."""
+    t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def compress_decode(
     kv_new: torch.Tensor,
     score_new: torch.Tensor,
@@ -277,11 +285,13 @@ def compress_decode(
         return
     if B == 0:
         return
-    f32 = [t.float().contiguous() for t in (kv_new, score_new, ape, norm, inv_freq)]
+    kv_new, score_new = (_rows_f32(t) for t in (kv_new, score_new))  # column slices of a wider matvec ok
+    f32 = [t.float().contiguous() for t in (ape, norm, inv_freq)]
     BH = triton.next_power_of_2(h)
     _compress_decode_kernel[(B,)](
-        f32[0], f32[1], f32[2], fk, fs, rows, slot.contiguous() if slot is not None else pos,
-        pos.contiguous(), f32[3], f32[4], cap, float(eps), float(h**-0.5), FP4_AMAX_FLOOR,
+        kv_new, score_new, f32[0], fk, fs, rows, slot.contiguous() if slot is not None else pos,
+        pos.contiguous(), f32[1], f32[2], cap, kv_new.stride(0), score_new.stride(0), float(eps),
+        float(h**-0.5), FP4_AMAX_FLOOR,
         R=r, H=h, NROT=n_rot, OVERLAP=c == 2, INDEXER=bool(indexer), HAS_SLOT=slot is not None,
         LOG2H=max(1, h.bit_length() - 1), CH=min(CAND_CHUNK, triton.next_power_of_2(c * r)), BH=BH,
         BW=triton.next_power_of_2(c * h), num_warps=8 if c * r * h > 8192 else 4,
