@@ -22,11 +22,23 @@ Dispatches to Triton on CUDA tensors (or under TRITON_INTERPRET=1) and to the to
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 SCORE_BUDGET = 1 << 24  # elements of one query block's scores / gathered keys in the torch twin
+# Tiling (to be tuned on the H200 with tools/gpu/bench_attend_prefill.py): heads per program (>= 16, the
+# smallest dot), keys per inner block, warps, pipeline stages, and whether a block of compressed entries
+# that are all invalid is skipped (a branch in the loop) rather than computed masked.
+PREFILL_BH = 32
+PREFILL_BN = 32
+PREFILL_WARPS = 8
+PREFILL_STAGES = 2
+PREFILL_SKIP_EMPTY = True
+LOG2E = math.log2(math.e)
 
 
 # =========================================================================================================
@@ -74,6 +86,119 @@ def attend_prefill_ref(
         s = torch.cat([s, sinks.float()[None, :, None].expand(b - a, H, 1)], dim=-1)
         p = s.softmax(-1)[..., :-1]  # the sink column only enlarges the denominator
         out[a:b] = torch.einsum("thn,tnd->thd", p.to(dtype).float(), keys)
+    return out
+
+
+# =========================================================================================================
+# Triton kernel: program (query t, head block), online softmax in base 2 (scores pre-scaled by log2 e).
+
+
+@triton.jit
+def _round_to(x, dt: tl.constexpr, RTNE_BY_HAND: tl.constexpr):
+    """x f32 -> dt rounded to nearest even. The GPU's cast does that; Triton 3.6's interpreter truncates, so
+    there (RTNE_BY_HAND, bf16 only) the rounding is done on the bits first (finite x)."""
+    if RTNE_BY_HAND:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def _online_step(q, kv, vis, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, RTNE_BY_HAND: tl.constexpr):
+    """Fold one key block kv [BN, BD] (visible where vis [BN]) into the running max m_i / sum l_i [BH] and
+    output acc [BH, BD]. Invisible keys were loaded as 0 and score -inf; a block with nothing visible so far
+    uses 0 as its max (no inf - inf)."""
+    s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale  # [BH, BN] log2 units
+    s = tl.where(vis[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pk = _round_to(p, kv.dtype, RTNE_BY_HAND)  # p rounded like the keys (as the model's torch path does)
+    acc = acc * alpha[:, None] + tl.dot(pk, kv, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, raw_ptr, comp_ptr, idx_ptr, valid_ptr, sink_ptr, out_ptr,
+    H, D, C, K, raw_off, window, qk_scale, s_it, s_ik, s_vt, s_vk,
+    HAS_COMP: tl.constexpr, SKIP_EMPTY: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    BD: tl.constexpr, PREC: tl.constexpr, RTNE_BY_HAND: tl.constexpr,
+):  # fmt: skip
+    """Program (t, head block), head blocks of one query adjacent (they read the same rows, through L2).
+
+    Query t is raw row raw_off + t; it sees raw rows max(0, that - window + 1) .. that, then the entries j
+    of comp_idx[t] with comp_valid[t, j] and 0 <= comp_idx[t, j] < C. q is read in its own dtype and cast to
+    the keys' (the products' precision). out[t, h] = acc / (l + e^(sink_h - m)) in base 2."""
+    n_hb = tl.cdiv(H, BH)
+    t = (tl.program_id(0) // n_hb).to(tl.int64)
+    h = (tl.program_id(0) % n_hb) * BH + tl.arange(0, BH)
+    hm = h < H
+    d = tl.arange(0, BD)
+    dm = d < D
+    kdt = raw_ptr.dtype.element_ty
+    q = tl.load(q_ptr + (t * H + h)[:, None] * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    q = _round_to(q.to(tl.float32), kdt, RTNE_BY_HAND)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BD], tl.float32)
+    last = t + raw_off  # the query's own raw row
+    for j0 in range(tl.maximum(last - window + 1, 0), last + 1, BN):
+        j = j0 + tl.arange(0, BN)
+        vis = j <= last
+        kv = tl.load(raw_ptr + j[:, None] * D + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0)
+        m_i, l_i, acc = _online_step(q, kv, vis, m_i, l_i, acc, qk_scale, PREC, RTNE_BY_HAND)
+    if HAS_COMP:
+        for j0 in range(0, K, BN):
+            j = j0 + tl.arange(0, BN)
+            jm = j < K
+            c = tl.load(idx_ptr + t * s_it + j * s_ik, mask=jm, other=0).to(tl.int64)
+            ok = tl.load(valid_ptr + t * s_vt + j * s_vk, mask=jm, other=0) != 0
+            ok = ok & jm & (c >= 0) & (c < C)
+            if SKIP_EMPTY:
+                if tl.max(ok.to(tl.int32), axis=0) > 0:
+                    kv = tl.load(
+                        comp_ptr + c[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0
+                    )
+                    m_i, l_i, acc = _online_step(q, kv, ok, m_i, l_i, acc, qk_scale, PREC, RTNE_BY_HAND)
+            else:
+                kv = tl.load(
+                    comp_ptr + c[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0
+                )
+                m_i, l_i, acc = _online_step(q, kv, ok, m_i, l_i, acc, qk_scale, PREC, RTNE_BY_HAND)
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634  # log2 units
+    big = tl.maximum(m_i, sink)  # finite: the sink is
+    w = tl.exp2(m_i - big)  # 0 when no key was visible
+    o = acc * (w / (l_i * w + tl.exp2(sink - big)))[:, None]
+    tl.store(out_ptr + (t * H + h)[:, None] * D + d[None, :], o, mask=hm[:, None] & dm[None, :])
+
+
+def _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype):
+    T, H, D = q.shape
+    out = torch.empty(T, H, D, device=q.device, dtype=torch.float32)
+    if T == 0:
+        return out
+    raw = raw.to(dtype).contiguous()  # small ([N, D], [C, D]): cast once, read many times
+    has_comp = comp_idx is not None and comp_idx.shape[1] > 0 and comp.shape[0] > 0
+    if has_comp:
+        comp = comp.to(dtype).contiguous()
+        valid = comp_valid.view(torch.uint8)  # strided views (e.g. a broadcast arange) are read as they are
+        C, K = comp.shape[0], comp_idx.shape[1]
+        strides = (*comp_idx.stride(), *valid.stride())
+    else:
+        comp, comp_idx, valid, C, K, strides = raw, raw, raw, 0, 0, (0, 0, 0, 0)
+    BH = max(16, min(PREFILL_BH, triton.next_power_of_2(H)))
+    _prefill_kernel[(T * triton.cdiv(H, BH),)](
+        q.contiguous(), raw, comp, comp_idx, valid, sinks.float().contiguous(), out,
+        H, D, C, K, p0 - raw_p0, window, float(scale) * LOG2E, *strides,
+        HAS_COMP=has_comp, SKIP_EMPTY=PREFILL_SKIP_EMPTY, BH=BH, BN=PREFILL_BN,
+        BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if dtype == torch.float32 else "tf32",
+        RTNE_BY_HAND=dtype == torch.bfloat16 and not q.is_cuda,
+        num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
+    )  # fmt: skip
     return out
 
 
@@ -140,6 +265,13 @@ def attend_prefill(
 
     dtype: the products' precision (None: q's dtype); bf16 -> bf16 operands with f32 accumulation."""
     _check_args(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks)
+    dtype = dtype or q.dtype
+    _check(
+        dtype in (torch.float32, torch.bfloat16),
+        f"attend_prefill: dtype must be float32 or bfloat16, got {dtype}",
+    )
+    if _use_triton(q):
+        return _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype)
     return attend_prefill_ref(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype)
 
 
