@@ -61,7 +61,8 @@ TILES = [
 @pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"{c.mode}-bn{c.bn}-tk{c.tk}-t{c.target}")
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
 def test_hmatvec_tiles(cfg, dtype):
-    # K = 320 = 5 x 64 (the tile falls back to 64); B = 33: two row chunks in every mode, 9 in "fma"
+    # K = 320 = 5 x 64 (the tile falls back to 64); B = 1 (the flat "fma" path; dot tiles padded to 8 rows),
+    # 5, and 33: two row chunks in the dot modes, 9 in "fma"
     w = half_matrix(70, 320, dtype, seed=7)
     for b in (1, 5, 33):
         x = activations(b, 320, seed=200 + b)
@@ -110,6 +111,8 @@ def test_hmatvec_errors():
         matvec.hmatvec(x.long(), w)
     with pytest.raises(ValueError, match="mode must be one of"):
         matvec.hmatvec(x, w, HalfConfig(mode="tf32"))
+    with pytest.raises(ValueError, match=r"HalfConfig.bn must be a power of two, got 12"):
+        matvec.hmatvec(x, w, HalfConfig(bn=12))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -460,9 +460,10 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 # compressor kv/gate, indexer proj and q_b, router), stored in the file's half precision, several of them
 # concatenated along N when they share an input vector. Weight bytes bound the time: a program owns BN rows,
 # loads [BN, TK] half tiles (contiguous rows: 16-byte loads) once for all its B rows, and accumulates in f32.
-#   mode "fma"   : CUDA-core FMAs, per-lane partial sums [BB, BN, TK] reduced once after the k loop; exact
-#                  f32 products. BB <= 4 rows per program (more rows would spill: larger B re-reads W).
-#   mode "ieee"  : tl.dot(x, W^T) with input_precision="ieee" (f32 FMAs, Triton's dot layout), BB = 16 | 32.
+#   mode "fma"   : CUDA-core FMAs, per-lane partial sums [BB, BN, TK] ([BN, TK] at B = 1) reduced once after
+#                  the k loop; exact f32 products. BB <= 4 rows per program (more would spill registers: a
+#                  larger B re-reads W, from L2 since the row chunks of a weight tile are adjacent programs).
+#   mode "ieee"  : tl.dot(x, W^T) with input_precision="ieee" (f32 FMAs, Triton's dot layout), BB = 8|16|32.
 #   mode "tf32x2": two tf32 tensor-core dots: W (f16 / bf16) is exact in tf32, x = hi + lo where hi keeps
 #                  x's top 10 mantissa bits (exact in tf32) and lo = x - hi (exact in f32, rounded to tf32
 #                  by the mma): products off by <= ~2^-21 relative, near f32 summation noise.
@@ -473,7 +474,8 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 HALF_K_ALIGN = 64  # every row length must be a multiple of this (the smallest k-tile)
-_HALF_MODES = {"fma": 0, "ieee": 1, "tf32x2": 2, "tf32x3": 3}
+_HALF_MODES = {"fma": 0, "ieee": 1, "tf32x2": 2, "tf32x3": 3}  # kernel MODE codes; 4: "fma" with BB = 1
+_FMA_FLAT = 4
 HALF_FMA_MAX_BB = 4  # rows of x per program in mode "fma" (acc registers grow with BB * BN * TK)
 
 
@@ -492,10 +494,13 @@ class HalfConfig:
 
 
 # Defaults, NOT yet timed on a GPU: the lead tunes them with tools/gpu/bench_side.py (cold-L2 GB/s at Flash
-# shapes). HMV_SMALL serves B <= HALF_SMALL_B (decode at one state), HMV_LARGE larger batches.
+# shapes). HMV_SMALL serves B <= HALF_SMALL_B (decode at one state), HMV_LARGE larger batches. sm_90 builds
+# (bench_side.py --compile-only): "fma" 56-79 registers, no spills; "tf32x2" 134 (B <= 8) to 216 (B = 32)
+# registers, no spills; "ieee" is shared-memory bound (~100 LDS.128 per 256 FFMA in its k loop) and
+# "tf32x3" spills at B = 32.
 HALF_SMALL_B = 4
 HMV_SMALL = HalfConfig(bn=8, tk=512, warps=4, stages=1, target=1056, mode="fma")  # Q8_MV1's tuned shape
-HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="ieee")
+HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="tf32x2")
 
 
 @triton.jit
@@ -525,27 +530,34 @@ def _hmv_kernel(
     xp = x_ptr + b[:, None].to(tl.int64) * K + col[None, :]  # [BB, TK]
     kt_lo = pid_s * kt_per_split
     kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
-    if MODE == 0:
+    if MODE == 4:
+        acc = tl.zeros([BN, TK], dtype=tl.float32)
+    elif MODE == 0:
         acc = tl.zeros([BB, BN, TK], dtype=tl.float32)
     else:
-        acc = tl.zeros([BB, BN], dtype=tl.float32)
+        acc = tl.zeros([BN, BB], dtype=tl.float32)
     for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
         w = tl.load(wp + kt * TK).to(tl.float32)  # [BN, TK]: exact (f16 and bf16 are subsets of f32)
-        xv = tl.load(xp + kt * TK, mask=bmask[:, None], other=0.0)  # [BB, TK] f32
-        if MODE == 0:
-            acc += xv[:, None, :] * w[None, :, :]
-        elif MODE == 1:
-            acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
-        elif MODE == 2:
-            hi = (xv.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # low 13 bits cleared
-            acc = tl.dot(hi, tl.trans(w), acc, input_precision="tf32")
-            acc = tl.dot(xv - hi, tl.trans(w), acc, input_precision="tf32")
+        if MODE == 4:  # one row of x: a plain 2-D tile, as q8_mv1
+            acc += w * tl.load(x_ptr + pid_b.to(tl.int64) * K + kt * TK + col)[None, :]
         else:
-            acc = tl.dot(xv, tl.trans(w), acc, input_precision="tf32x3")
-    if MODE == 0:
+            xv = tl.load(xp + kt * TK, mask=bmask[:, None], other=0.0)  # [BB, TK] f32
+            if MODE == 0:
+                acc += xv[:, None, :] * w[None, :, :]
+            elif MODE == 1:  # W is the dot's A operand: M = BN (large), N = BB (mma n8 fits B = 8 unpadded)
+                acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
+            elif MODE == 2:
+                hi = (xv.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # low 13 bits: 0
+                acc = tl.dot(w, tl.trans(hi), acc, input_precision="tf32")
+                acc = tl.dot(w, tl.trans(xv - hi), acc, input_precision="tf32")
+            else:
+                acc = tl.dot(w, tl.trans(xv), acc, input_precision="tf32x3")
+    if MODE == 4:
+        y = tl.sum(acc, axis=1)[None, :]
+    elif MODE == 0:
         y = tl.sum(acc, axis=2)
     else:
-        y = acc
+        y = tl.trans(acc)
     out = out_ptr + pid_s.to(tl.int64) * B * N + b[:, None].to(tl.int64) * N + n[None, :]
     tl.store(out, y, mask=bmask[:, None] & (n < N)[None, :])
 
@@ -567,6 +579,14 @@ def _check_half(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"hmatvec: x must be floating point, got {x.dtype}")
     if x.device != w.device:
         raise ValueError(f"hmatvec: w is on {w.device} but x is on {x.device}")
+
+
+def _check_half_config(cfg: HalfConfig) -> None:
+    if cfg.mode not in _HALF_MODES:
+        raise ValueError(f"hmatvec: mode must be one of {sorted(_HALF_MODES)}, got {cfg.mode!r}")
+    for what, v in (("bn", cfg.bn), ("tk", cfg.tk)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"hmatvec: HalfConfig.{what} must be a power of two, got {v}")
 
 
 def _half_tile_k(k: int, cap: int) -> int:
@@ -592,13 +612,14 @@ def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> 
     if B == 0 or N == 0:
         return torch.zeros(B, N, dtype=torch.float32, device=x.device)
     cfg = cfg or (HMV_SMALL if B <= HALF_SMALL_B else HMV_LARGE)
-    if cfg.mode not in _HALF_MODES:
-        raise ValueError(f"hmatvec: mode must be one of {sorted(_HALF_MODES)}, got {cfg.mode!r}")
+    _check_half_config(cfg)
+    mode = _HALF_MODES[cfg.mode]
     if cfg.mode == "fma":
         bb = min(triton.next_power_of_2(B), HALF_FMA_MAX_BB)
         tk = _half_tile_k(K, cfg.tk // bb)
-    else:  # tl.dot needs >= 16 along every dimension
-        bb = 16 if B <= 16 else 32
+        mode = _FMA_FLAT if bb == 1 else mode
+    else:  # Triton pads small dot tiles (sm_90: M, N >= 1, K >= 16); BB >= 8 keeps the padding modest
+        bb = min(max(triton.next_power_of_2(B), 8), 32)
         tk = _half_tile_k(K, cfg.tk)
     n_prog, n_kt = triton.cdiv(N, cfg.bn) * triton.cdiv(B, bb), K // tk
     splits = min(n_kt, max(1, triton.cdiv(cfg.target, n_prog)))
@@ -608,7 +629,7 @@ def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> 
     grid = (triton.cdiv(B, bb), triton.cdiv(N, cfg.bn), splits)
     _hmv_kernel[grid](
         x, w, out, B, N, K, per,
-        BB=bb, BN=cfg.bn, TK=tk, MODE=_HALF_MODES[cfg.mode], STAGES=cfg.stages, num_warps=cfg.warps,
+        BB=bb, BN=cfg.bn, TK=tk, MODE=mode, STAGES=cfg.stages, num_warps=cfg.warps,
     )  # fmt: skip
     return out[0] if splits == 1 else out.sum(0)
 
