@@ -24,6 +24,7 @@ MODULES = [
     "test_kernels_side.py",
     "test_kernels_attend.py",
     "test_kernels_compress.py",
+    "test_kernels_prefill.py",
 ]
 
 

@@ -8,19 +8,33 @@ expert path.
 moe_grouped: rows of x_sorted grouped by expert (offsets [E+1] on the device, e.g. from moe.group_by_expert),
 row r of group e times W[e]^T -> out[r]. A device-side tile table (one M-tile never spans two experts) sized
 by a static bound (cdiv(M, BM) + min(E, M) tiles) keeps it free of host syncs; unused tiles exit at once.
+Two implementations (PREFILL_MOE, env DS4_PREFILL_MOE):
+  * "dequant" (default): the experts are dequantized by a standalone kernel (dequant_experts) into a reused
+    bf16 scratch, a group of experts at a time (at most DEQUANT_BYTES), then a plain bf16 x bf16 grouped GEMM
+    reads that dense scratch. The dequantization runs at high occupancy with wide stores (memory bound),
+    instead of inside the GEMM's k loop where register pressure and the lack of overlap with the MMAs made it
+    the bottleneck (H200, 4k-token chunk: ~190 G weights/s). moe_grouped_pair fuses two stacks that share x
+    (gate and up: one scratch [n, Ng + Nu, K], one GEMM).
+  * "fused": the weight tile is dequantized in registers inside the GEMM (_grouped_kernel; no scratch).
+Both round the weights and x to bf16 and accumulate in f32: equal up to the summation order.
 
 Legend: M rows, N output rows, K row length, E experts, BM/BN program tile, TK elements per k-tile.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from ds4.quant.types import GGMLType
+
 from . import ref
 from .matvec import _qmv_kernel, check_weight, dot_rows, prep_x, sub_width, tile_k, use_triton, weight_args
-from .packing import PackedWeight
+from .packing import PLAIN_DTYPES, PackedWeight
 
 # Program tile: 64 x 64 with the dequantized [BN, 256] weight tile in registers needs ~220 registers a thread
 # at 4 warps (offline sm_90 compile), so 8 warps. tools/gpu/bench_kernels.py times it.
@@ -110,19 +124,55 @@ def moe_grouped(x_sorted: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) 
     """x_sorted [M, K] bf16 (rows grouped by expert; f32 is rounded to bf16), stack W [E, N, K], offsets [E+1]
     int32 -> [M, N] f32.
 
-    Rows outside offsets[0] .. offsets[E] are 0.
+    Rows outside offsets[0] .. offsets[E] are 0. PREFILL_MOE picks the implementation (module docstring).
     """
-    check_weight(w, 3, "moe_grouped", x_sorted.device)
-    x = prep_x(x_sorted, w.K, "moe_grouped")
-    n_exp = w.shape[0]
-    if offsets.shape != (n_exp + 1,) or offsets.device != x.device:
-        raise ValueError(
-            f"moe_grouped: offsets must be [{n_exp + 1}] on {x.device}, got {tuple(offsets.shape)} on "
-            f"{offsets.device}"
-        )
+    x = _check_grouped(x_sorted, [w], offsets, "moe_grouped")
     if not use_triton(x):
         return ref.moe_grouped(x, w, offsets)
+    if PREFILL_MOE == "fused":
+        return _moe_grouped_fused(x.to(torch.bfloat16), w, offsets)
+    return _grouped_dense(x.to(torch.bfloat16), [w], offsets)[0]
+
+
+def moe_grouped_pair(
+    x_sorted: torch.Tensor, wa: PackedWeight, wb: PackedWeight, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(moe_grouped(x_sorted, wa, offsets), moe_grouped(x_sorted, wb, offsets)) for two stacks of the same
+    experts and row length (gate and up): [M, Na] and [M, Nb] f32.
+
+    The "dequant" path dequantizes both into one scratch [n, Na + Nb, K] and runs one GEMM (x read once); the
+    results are column views of one [M, Na + Nb] tensor.
+    """
+    x = _check_grouped(x_sorted, [wa, wb], offsets, "moe_grouped_pair")
+    if not use_triton(x):
+        return ref.moe_grouped(x, wa, offsets), ref.moe_grouped(x, wb, offsets)
     x = x.to(torch.bfloat16)
+    if PREFILL_MOE == "fused":
+        return _moe_grouped_fused(x, wa, offsets), _moe_grouped_fused(x, wb, offsets)
+    ya, yb = _grouped_dense(x, [wa, wb], offsets)
+    return ya, yb
+
+
+def _check_grouped(x_sorted: torch.Tensor, ws: list[PackedWeight], offsets: torch.Tensor, what: str):
+    """Validated activations (contiguous f32 | bf16) for the grouped GEMMs; one clear error otherwise."""
+    for w in ws:
+        check_weight(w, 3, what, x_sorted.device)
+    w0 = ws[0]
+    for w in ws[1:]:
+        if w.shape[0] != w0.shape[0] or w.K != w0.K:
+            raise ValueError(f"{what}: stacks must share experts and row length, got {w0.shape}, {w.shape}")
+    x = prep_x(x_sorted, w0.K, what)
+    n_exp = w0.shape[0]
+    if offsets.shape != (n_exp + 1,) or offsets.device != x.device:
+        raise ValueError(
+            f"{what}: offsets must be [{n_exp + 1}] on {x.device}, got {tuple(offsets.shape)} on "
+            f"{offsets.device}"
+        )
+    return x
+
+
+def _moe_grouped_fused(x: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) -> torch.Tensor:
+    """The "fused" path: x bf16 [M, K] prepared, on a Triton device."""
     M, N, K = x.shape[0], w.N, w.K
     out = torch.zeros(M, N, dtype=torch.float32, device=x.device)
     if M == 0 or N == 0:
@@ -137,4 +187,294 @@ def moe_grouped(x_sorted: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) 
     return out
 
 
-__all__ = ["moe_grouped", "qmatmul", "tile_table"]
+# ---------------------------------------------------------------------------------------------------------
+# The "dequant" path: dequant_experts (packed experts -> dense bf16 scratch) + a bf16 grouped GEMM on it.
+
+# "dequant" | "fused": the implementation of moe_grouped / moe_grouped_pair (read at each call).
+PREFILL_MOE = os.environ.get("DS4_PREFILL_MOE", "dequant")
+# Bound of the dequantized-expert scratch, allocated lazily on first use, then kept (one per device) and
+# reused by every call: 1 GiB holds 32 Flash experts' gate+up ([4096, 4096] bf16) or 64 experts' down.
+# The server's KV budget must leave this much device memory free (release_scratch() frees it).
+DEQUANT_BYTES = 1 << 30
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """Tile of the bf16 grouped GEMM: BM rows (one expert) x BN outputs per program, BK per k step."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    warps: int = 8
+    stages: int = 3
+
+
+# Untimed default (a common Hopper bf16 tile); tools/gpu/bench_prefill_moe.py times the alternatives.
+GROUPED_DENSE = DenseConfig()
+# Dequantization program: DEQ_ROWS weight rows x DEQ_TK elements (a multiple of the format's block).
+DEQ_ROWS, DEQ_TK, DEQ_WARPS = 16, 256, 4
+# Elements per dequantized group (one scale / one grid word) of each format; plain types use 16.
+_GROUP = {GGMLType.IQ2_XXS: 8, GGMLType.Q2_K: 16, GGMLType.Q4_K: 32, GGMLType.Q8_0: 32}
+
+
+@triton.jit
+def _dequant_groups(w0, w1, w2, w3, wrow, gg, K, QT: tl.constexpr, W: tl.constexpr):
+    """f32 [BR, G, W] values of rows wrow [BR] (int64), elements k = gg[g] * W + j in k order (exact f32:
+    the same operations as packing.unpack, all products exact). gg [G]: group indices along the row."""
+    j = tl.arange(0, W)
+    r = wrow[:, None]
+    if QT == 16:  # IQ2_XXS: group = 8 values of one grid word; 4 groups per sub-block, 32 per block
+        idx = tl.load(w0 + r * (K // 8) + gg[None, :])  # [BR, G] grid indices
+        a1 = tl.load(w1 + r * (K // 32) + (gg // 4)[None, :])  # [BR, G] sign indices | scale << 28
+        d = tl.load(w2 + r * (K // 256) + (gg // 32)[None, :]).to(tl.float32)
+        db = d * (0.5 + ((a1 >> 28) & 15).to(tl.float32)) * 0.25
+        s = (a1 >> (7 * (gg % 4))[None, :]) & 127  # sign index; KSIGNS[s] = s | parity(s) << 7
+        p = s ^ (s >> 4)
+        p = p ^ (p >> 2)
+        p = p ^ (p >> 1)
+        signs = s | ((p & 1) << 7)
+        grid = tl.load(w3 + idx.to(tl.int32))  # [BR, G] int64: 8 magnitude bytes
+        mag = ((grid[:, :, None] >> (8 * j)[None, None, :]) & 255).to(tl.float32)
+        neg = ((signs[:, :, None] >> j[None, None, :]) & 1) != 0
+        val = db[:, :, None] * tl.where(neg, -mag, mag)
+    elif QT == 10:  # Q2_K: group gl = 8h + 2t + s of a block: bytes 32h + 16s + j, shift 2t; scale byte gl
+        blk = gg // 16
+        gl = gg % 16
+        qoff = blk * 64 + (gl // 8) * 32 + (gl % 2) * 16
+        q8 = tl.load(w0 + r[:, :, None] * (K // 4) + qoff[None, :, None] + j[None, None, :])
+        q = ((q8.to(tl.int32) >> (2 * ((gl // 2) % 4))[None, :, None]) & 3).to(tl.float32)
+        sc = tl.load(w1 + r * (K // 16) + gg[None, :])
+        d = tl.load(w2 + r * (K // 128) + (2 * blk)[None, :]).to(tl.float32)
+        dmin = tl.load(w2 + r * (K // 128) + (2 * blk + 1)[None, :]).to(tl.float32)
+        dl = d * (sc & 15).to(tl.float32)
+        ml = dmin * (sc >> 4).to(tl.float32)
+        val = dl[:, :, None] * q - ml[:, :, None]
+    elif QT == 12:  # Q4_K: group gl = 2c + h of a block: bytes 32c + j, nibble h; scale gl, min 8 + gl
+        blk = gg // 8
+        gl = gg % 8
+        qoff = blk * 128 + (gl // 2) * 32
+        q8 = tl.load(w0 + r[:, :, None] * (K // 2) + qoff[None, :, None] + j[None, None, :])
+        q = ((q8.to(tl.int32) >> (4 * (gl % 2))[None, :, None]) & 15).to(tl.float32)
+        sc = tl.load(w1 + r * (K // 16) + (blk * 16 + gl)[None, :])
+        mn = tl.load(w1 + r * (K // 16) + (blk * 16 + 8 + gl)[None, :])
+        d = tl.load(w2 + r * (K // 128) + (2 * blk)[None, :]).to(tl.float32)
+        dmin = tl.load(w2 + r * (K // 128) + (2 * blk + 1)[None, :]).to(tl.float32)
+        dl = d * sc.to(tl.float32)
+        ml = dmin * mn.to(tl.float32)
+        val = dl[:, :, None] * q - ml[:, :, None]
+    elif QT == 8:  # Q8_0: group = one block of 32
+        q = tl.load(w0 + r[:, :, None] * K + (gg * 32)[None, :, None] + j[None, None, :]).to(tl.float32)
+        d = tl.load(w1 + r * (K // 32) + gg[None, :]).to(tl.float32)
+        val = q * d[:, :, None]
+    else:  # F32 / F16 / BF16
+        val = tl.load(w0 + r[:, :, None] * K + (gg * W)[None, :, None] + j[None, None, :]).to(tl.float32)
+    return val
+
+
+@triton.jit
+def _dequant_kernel(
+    w0,
+    w1,
+    w2,
+    w3,
+    out_ptr,
+    ids,
+    offsets,
+    N,
+    K,
+    stride_oe,
+    QT: tl.constexpr,
+    BR: tl.constexpr,
+    G: tl.constexpr,
+    W: tl.constexpr,
+    SKIP: tl.constexpr,
+    SOFT_RNE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    sel = tl.program_id(2)
+    e = tl.load(ids + sel)
+    if SKIP:  # experts without rows: nothing to dequantize
+        if tl.load(offsets + e + 1) == tl.load(offsets + e):
+            return
+    n = pid_n * BR + tl.arange(0, BR)
+    wrow = e.to(tl.int64) * N + tl.minimum(n, N - 1)  # clamped: loads need no mask, the store has one
+    gg = pid_k * G + tl.arange(0, G)
+    val = _dequant_groups(w0, w1, w2, w3, wrow, gg, K, QT, W)  # [BR, G, W]
+    col = (gg * W)[None, :, None] + tl.arange(0, W)[None, None, :]
+    out = out_ptr + sel.to(tl.int64) * stride_oe + n[:, None, None].to(tl.int64) * K + col
+    if SOFT_RNE:  # interpreter: its f32 -> bf16 cast truncates; round to nearest even on the bits (finite)
+        u = val.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        tl.store(out, u.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=(n < N)[:, None, None])
+    else:  # the hardware conversion rounds to nearest even
+        tl.store(out, val.to(tl.bfloat16), mask=(n < N)[:, None, None])
+
+
+def dequant_experts(
+    w: PackedWeight,
+    ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Experts ids [n] (int32, device) of a stack W [E, N, K] -> bf16 [n, N, K], bit-equal to
+    unpack(W)[ids].to(bfloat16).
+
+    out: where to write, a [n, N, K] bf16 view whose rows are contiguous (e.g. a column slice of a larger
+    scratch [n, N', K]). offsets [E+1] (optional): experts with offsets[e+1] == offsets[e] are skipped (their
+    slices of out are left as they were). Triton only (CUDA or the interpreter).
+    """
+    check_weight(w, 3, "dequant_experts", ids.device)
+    n_sel, N, K = ids.numel(), w.N, w.K
+    if out is None:
+        out = torch.empty(n_sel, N, K, dtype=torch.bfloat16, device=ids.device)
+    if out.shape != (n_sel, N, K) or out.dtype != torch.bfloat16 or out.stride()[1:] != (K, 1):
+        raise ValueError(
+            f"dequant_experts: out must be bf16 [{n_sel}, {N}, {K}] with contiguous rows, got {out.dtype} "
+            f"{tuple(out.shape)} strides {out.stride()}"
+        )
+    if n_sel == 0 or N == 0:
+        return out
+    grp = _GROUP.get(w.qtype, 16)
+    tk = _deq_tile_k(w, grp)
+    skip = offsets is not None
+    grid = (triton.cdiv(N, DEQ_ROWS), K // tk, n_sel)
+    _dequant_kernel[grid](
+        *weight_args(w), out, ids.to(torch.int32), offsets.to(torch.int32) if skip else ids, N, K,
+        out.stride(0), QT=int(w.qtype), BR=DEQ_ROWS, G=tk // grp, W=grp, SKIP=skip,
+        SOFT_RNE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=DEQ_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def _deq_tile_k(w: PackedWeight, grp: int) -> int:
+    """Elements per dequant program along k: DEQ_TK, or the largest power of two below it dividing K (at least
+    one group; K-quants: one 256-element block)."""
+    tk = max(DEQ_TK, 256) if w.qtype in (GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS) else DEQ_TK
+    while tk > grp and w.K % tk:
+        tk //= 2
+    if w.K % tk or (w.qtype not in PLAIN_DTYPES and w.qtype != GGMLType.Q8_0 and tk % 256):
+        raise ValueError(f"dequant_experts: {w.qtype.name} row length {w.K} is not a multiple of {tk}")
+    return tk
+
+
+@triton.jit
+def _grouped_dense_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    tile_e,
+    tile_r0,
+    offsets,
+    e_lo,
+    e_hi,
+    N,
+    K,
+    stride_x,
+    stride_we,
+    stride_o,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """out[rows of tile, n] = x[rows] @ Wd[e - e_lo]^T for the tiles of experts e_lo <= e < e_hi; Wd the
+    dense bf16 scratch [e_hi - e_lo, N, K] (row stride K, expert stride stride_we)."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    e = tl.load(tile_e + pid_t)
+    if (e < e_lo) | (e >= e_hi):  # another group's tile, or past the last used tile (-1)
+        return
+    r0 = tl.load(tile_r0 + pid_t)
+    r_end = tl.load(offsets + e + 1)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r_end
+    n = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    xp = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]  # [BM, BK]
+    wbase = w_ptr + (e - e_lo).to(tl.int64) * stride_we
+    wp = wbase + tl.minimum(n, N - 1)[None, :].to(tl.int64) * K + kk[:, None]  # [BK, BN]: W^T tile
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for _ in range(0, K // BK):
+        a = tl.load(xp, mask=rmask[:, None], other=0.0)
+        b = tl.load(wp)
+        acc = tl.dot(a, b, acc)
+        xp += BK
+        wp += BK
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_o + n[None, :]
+    tl.store(out, acc, mask=rmask[:, None] & (n < N)[None, :])
+
+
+def _scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """A reused flat bf16 buffer of at least numel elements on device (grown on demand, never shrunk)."""
+    buf = _SCRATCH.get(device)
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop(device, None)  # free the old one first
+        buf = _SCRATCH[device] = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    return buf
+
+
+def release_scratch() -> None:
+    """Free the dequant scratch of every device (the next "dequant" call allocates it again)."""
+    _SCRATCH.clear()
+
+
+def scratch_experts(n_exp: int, rows: int, k: int) -> int:
+    """Experts per group of the "dequant" path: [rows, k] bf16 matrices that fit DEQUANT_BYTES (>= 1)."""
+    return max(1, min(n_exp, DEQUANT_BYTES // (rows * k * 2)))
+
+
+def _grouped_dense(x: torch.Tensor, ws: list[PackedWeight], offsets: torch.Tensor) -> list[torch.Tensor]:
+    """x bf16 [M, K] (prepared, Triton device), stacks sharing E and K -> [M, N_i] f32 each (column views).
+
+    Per group of experts: dequantize every stack into its column slice of the scratch [n, sum N_i, K], then
+    one GEMM over the group's M-tiles. The host loop depends on shapes only (no host sync).
+    """
+    M, K, n_exp = x.shape[0], ws[0].K, ws[0].shape[0]
+    widths = [w.N for w in ws]
+    nt = sum(widths)
+    out = torch.zeros(M, nt, dtype=torch.float32, device=x.device)
+    cols = [out[:, c - n : c] for n, c in zip(widths, _cumsum(widths), strict=True)]
+    if M == 0 or nt == 0:
+        return cols
+    cfg = GROUPED_DENSE
+    if K % cfg.bk:
+        raise ValueError(f"moe_grouped: row length {K} must be a multiple of {cfg.bk} (GROUPED_DENSE.bk)")
+    per = scratch_experts(n_exp, nt, K)
+    buf = _scratch(x.device, per * nt * K).narrow(0, 0, per * nt * K).view(per, nt, K)
+    offsets = offsets.to(torch.int32)
+    ids = torch.arange(n_exp, dtype=torch.int32, device=x.device)
+    tile_e, tile_r0 = tile_table(offsets, M, cfg.bm)
+    grid = (triton.cdiv(nt, cfg.bn), tile_e.numel())
+    for e0 in range(0, n_exp, per):
+        n = min(per, n_exp - e0)
+        for w, c in zip(ws, _cumsum(widths), strict=True):
+            dequant_experts(w, ids[e0 : e0 + n], buf[:n, c - w.N : c], offsets)
+        _grouped_dense_kernel[grid](
+            x, buf, out, tile_e, tile_r0, offsets, e0, e0 + n, nt, K, x.stride(0), nt * K, nt,
+            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+    return cols
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    total, out = 0, []
+    for v in xs:
+        total += v
+        out.append(total)
+    return out
+
+
+__all__ = [
+    "DEQUANT_BYTES",
+    "GROUPED_DENSE",
+    "PREFILL_MOE",
+    "DenseConfig",
+    "dequant_experts",
+    "moe_grouped",
+    "moe_grouped_pair",
+    "qmatmul",
+    "release_scratch",
+    "scratch_experts",
+    "tile_table",
+]

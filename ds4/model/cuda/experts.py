@@ -29,9 +29,9 @@ try:  # gathered-expert / grouped Triton kernels (another module's family); opti
 except ImportError:  # pragma: no cover - not there yet
     kmoe = None
 try:
-    from ds4.kernels.matmul import moe_grouped
+    from ds4.kernels.matmul import moe_grouped, moe_grouped_pair
 except ImportError:  # pragma: no cover
-    moe_grouped = None
+    moe_grouped = moe_grouped_pair = None
 from ds4.quant import GGMLType
 from ds4.quant.dequant import _BLOCK_DECODERS, _f16, _iq2xxs_signed_grid  # the bit-exact block formulas
 from ds4.quant.types import BLOCK_GEOMETRY
@@ -138,11 +138,11 @@ def _grouped_sum(x, flat, w_flat, tok_flat, gate, up, down, clamp: float, dtype,
     tok_sorted = tok_flat[order]
     w_sorted = w_flat[order]
     grouped = moe_grouped is not None and (dtype != torch.float32 or os.environ.get("DS4_GROUPED_F32") == "1")
-    if not isinstance(gate, Packed) and grouped:  # grouped GEMMs with dequant on the fly (bf16 tensor cores)
+    if not isinstance(gate, Packed) and grouped:  # grouped bf16 GEMMs (matmul.PREFILL_MOE picks how)
         offsets = torch.zeros(n_exp + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = hist.cumsum(0)
         xs = x[tok_sorted].to(dtype)  # [N, d] rows grouped by expert
-        g, u = moe_grouped(xs, gate, offsets), moe_grouped(xs, up, offsets)  # [N, F]
+        g, u = moe_grouped_pair(xs, gate, up, offsets)  # [N, F] each: one GEMM against gate | up
         mid = swiglu_mid(g, u, clamp) * w_sorted[:, None]
         out = moe_grouped(mid.to(dtype), down, offsets)  # [N, d]
         return torch.zeros(T, x.shape[1], device=x.device).index_add_(0, tok_sorted, out.float())
