@@ -123,7 +123,7 @@ def _attend_partial(
     dm = d < D
     q = tl.load(q_ptr + (b * H + h)[:, None] * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    pos = tl.load(pos_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int32)  # < 2^31; 32-bit: an int64 division is a subroutine call
     n_keys = W + NC
     count = pos * 0
     if HAS_COMP:
@@ -138,22 +138,18 @@ def _attend_partial(
     for j0 in range(j_lo, j_hi, BN):
         j = j0 + tl.arange(0, BN)
         vis = (j < W) & (j <= pos)
-        kv = tl.load(
-            raw_ptr + (slot * W + j)[:, None] * D + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0
-        ).to(tl.float32)
+        row = raw_ptr + (slot * W + j) * D  # [BN] row pointers
         if HAS_COMP:
             i = j - W
             inc = (j >= W) & (i < NC)
             c = i
             if HAS_IDX:
-                c = tl.load(idx_ptr + b * NC + i, mask=inc, other=0).to(tl.int64)
+                c = tl.load(idx_ptr + b * NC + i, mask=inc, other=0).to(tl.int32)
             cvis = inc & (c >= 0) & (c < count) & (c < cap)
-            kv += tl.load(
-                comp_ptr + (slot * cap + c)[:, None] * D + d[None, :],
-                mask=cvis[:, None] & dm[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            row = tl.where(j < W, row, comp_ptr + (slot * cap + c) * D)
             vis = vis | cvis
+        # one load of the block's rows (two masked loads, ring + compressed, make ptxas spill heavily)
+        kv = tl.load(row[:, None] + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision=PREC) * scale  # [BH, BN]
         s = tl.where(vis[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -259,7 +255,7 @@ def _indexer_kernel(
 ):  # fmt: skip
     b = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    count = tl.minimum(tl.load(count_ptr + b).to(tl.int64), cap)
+    count = tl.minimum(tl.load(count_ptr + b).to(tl.int32), cap)
     score = tl.full([BC], float("-inf"), tl.float32)
     if tl.program_id(1) * BC < count:  # a block wholly past count reads nothing
         slot = tl.load(slot_ptr + b).to(tl.int64)
