@@ -22,7 +22,16 @@ from ds4.model.attention import AttentionShape, CompressorWeights
 from ds4.model.block import LayerWeights
 from ds4.model.cuda import fused
 from ds4.model.cuda.experts import routed_decode, swiglu_mid
-from ds4.model.cuda.layer import DECODE_ROWS, _top_rows, grouped_output, lin, qmatvec_grouped, route_decode
+from ds4.model.cuda.layer import (
+    DECODE_ROWS,
+    _top_rows,
+    attention_decode_pool,
+    grouped_output,
+    lin,
+    pool_kernels,
+    qmatvec_grouped,
+    route_decode,
+)
 from ds4.model.cuda.state import DeviceLayerKV
 from ds4.model.cuda.weights import Packed, QLinear
 from ds4.model.norm import rms_norm
@@ -133,8 +142,12 @@ def _gather_rows(rows_pool, slot, idx):
     return rows_pool.view(-1, h).index_select(0, flat).view(idx.shape[0], idx.shape[1], h)
 
 
-def attention_decode_batch(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, slot, inv_freq):
-    """xn [B, d] at positions pos [B] of pool slots slot [B] -> [B, d]; appends to the pool layer kv."""
+def attention_decode_batch(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, slot, inv_freq, side=None):
+    """xn [B, d] at positions pos [B] of pool slots slot [B] -> [B, d]; appends to the pool layer kv.
+    side: the layer's SideMatrices (kernel path only)."""
+    if pool_kernels():  # the compressor / attention kernels read and write the pool in place
+        o = attention_decode_pool(w, shape, kv, xn, pos, slot, inv_freq, side)
+        return _grouped_output(o, w.out_a, w.out_b, shape.o_groups)
     R, eps, W, r = shape.n_rot, shape.rms_eps, shape.window, shape.ratio
     D = shape.head_dim
     qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)
@@ -211,16 +224,18 @@ def _routed_grouped(xf, ids, weights, m, clamp):
     return torch.zeros(B, out.shape[1], dtype=torch.float32, device=xf.device).index_add_(0, rows, out)
 
 
-def decode_layer_batch(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, tokens, pos, slot, dtype):
-    """X [B, S, d] -> [B, S, d] for B tokens (tokens/pos/slot [B] device tensors) over pool layer kv."""
+def decode_layer_batch(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, tokens, pos, slot, dtype, side=None):
+    """X [B, S, d] -> [B, S, d] for B tokens (tokens/pos/slot [B] device tensors) over pool layer kv; side:
+    the layer's SideMatrices or None."""
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
     xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)
-    X = fused.hc_post(attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq), X, post, comb)
+    o = attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq, side)
+    X = fused.hc_post(o, X, post, comb)
     h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
     xf, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
     weights, ids = route_decode(
-        m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm
+        m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     y = _routed(xf, ids, weights, m, clamp)
     y = y + lin(swiglu_mid(lin(xf, m.gate_sh), lin(xf, m.up_sh), clamp), m.down_sh)

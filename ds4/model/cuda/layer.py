@@ -16,6 +16,8 @@ Big matrices may be bfloat16 (`lin` casts the activations); KV rows, scores and 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +36,14 @@ from ds4.model.rope import rope_tail
 from ds4.model.state import EMPTY_SCORE
 
 try:  # the packed-weight matvec kernels (another module's family); the dense path works without them
-    from ds4.kernels.matvec import qmatvec, qmatvec_grouped
+    from ds4.kernels.matvec import hmatvec, qmatvec, qmatvec_grouped
 except ImportError:  # pragma: no cover - kernels not installed
-    qmatvec = qmatvec_grouped = None
+    hmatvec = qmatvec = qmatvec_grouped = None
+try:  # decode attention / compressor kernels over pool-layout buffers (their torch twins on the CPU)
+    from ds4.kernels import attend as attend_k
+    from ds4.kernels import compress as compress_k
+except ImportError:  # pragma: no cover - no triton
+    attend_k = compress_k = None
 
 SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key temporaries
 
@@ -158,8 +165,81 @@ def _compress_step(w: CompressorWeights, xn, pos, ratio, fk, fs, out_rows, inv_f
         fs.copy_(torch.where(done, torch.full_like(fs, EMPTY_SCORE), fs))
 
 
-def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_freq):
-    """xn [1, d] at device position pos [1] -> [1, d]; appends to kv in place."""
+@dataclass
+class SideMatrices:
+    """Half-precision copies of one layer's small decode matrices (exact: the file stores them as F16),
+    concatenated per input so that each input is read by one hmatvec launch instead of one GEMV per matrix.
+    Built at load on the GPU (ds4.model.cuda.model); prefill and the CPU path keep the f32 originals."""
+
+    xn: torch.Tensor | None  # [n, d]: compressor kv, gate (+ indexer compressor kv, gate, indexer proj)
+    xn_split: tuple[int, ...]  # row counts of those parts
+    router: torch.Tensor | None  # [E, d] ffn_gate_inp
+    q_b: torch.Tensor | None  # [Hi Di, Rq] indexer q_b
+
+
+def pool_kernels() -> bool:
+    """Decode attention through ds4.kernels.compress / attend (their twins on the CPU): DS4_TRITON_FUSED."""
+    return fused.TRITON_FUSED and compress_k is not None
+
+
+def _xn_side(xn, side: SideMatrices | None) -> list[torch.Tensor] | None:
+    """[compressor kv, gate(, indexer compressor kv, gate, indexer proj)] of xn [B, d] ([B, n] each) by one
+    hmatvec over the layer's half copies; None without them (the caller runs a GEMV per matrix)."""
+    if side is None or side.xn is None:
+        return None
+    return list(hmatvec(xn, side.xn).split(side.xn_split, dim=1))
+
+
+def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq, side=None) -> torch.Tensor:
+    """Decode attention of B rows over pool-layout buffers (kv.* [S, ...]; row b at pool slot slot[b] and
+    position pos[b]) through the kernels of ds4.kernels.compress / attend -> de-rotated o [B, H, D], before
+    the output projection. Serves both the single state (S = 1, its buffers [None]) and the batched step."""
+    R, eps, W, r, D = shape.n_rot, shape.rms_eps, shape.window, shape.ratio, shape.head_dim
+    qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)  # [B, Rq]
+    q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, D)), pos, inv_freq, eps)  # [B, H, D]
+    row = fused.kv_post(lin(xn, w.kv), w.kv_norm, pos, inv_freq, eps, R)  # [B, D]
+    kv.raw.view(-1, D).index_copy_(0, slot * W + pos % W, row)
+    comp = top = None
+    if r:
+        cw, iw = w.compressor, w.indexer
+        parts = _xn_side(xn, side) or [lin(xn, cw.kv), lin(xn, cw.gate)]
+        compress_k.compress_decode(
+            parts[0], parts[1], cw.ape, kv.comp_kv, kv.comp_score, kv.comp,
+            slot, pos, cw.norm, inv_freq, eps, R, False,
+        )  # fmt: skip
+        comp = kv.comp
+        if iw is not None:  # keep the indexer rows current (used once more than top-k rows exist)
+            ic = iw.compressor
+            if len(parts) == 2:
+                parts += [lin(xn, ic.kv), lin(xn, ic.gate), None]
+            compress_k.compress_decode(
+                parts[2], parts[3], ic.ape, kv.index_kv, kv.index_score, kv.index,
+                slot, pos, ic.norm, inv_freq, eps, R, True,
+            )  # fmt: skip
+            if kv.comp.shape[1] > shape.indexer_topk:
+                n_heads, dim = iw.proj.shape[0], ic.norm.numel()
+                qb = hmatvec(qn, side.q_b) if side is not None and side.q_b is not None else lin(qn, iw.q_b)
+                qi = fused.indexer_q_post(qb.unflatten(-1, (n_heads, dim)), pos, inv_freq)  # [B, Hi, Di]
+                wts = (lin(xn, iw.proj) if parts[4] is None else parts[4]) * (dim**-0.5 * n_heads**-0.5)
+                score = attend_k.indexer_scores(qi, wts, kv.index, slot, (pos + 1) // r)  # [B, cap]
+                top = _top_rows(score, shape.indexer_topk)  # [B, k]
+    return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
+
+
+def _as_pool(kv: DeviceLayerKV) -> SimpleNamespace:
+    """A single state's layer buffers as a one-slot pool layer (views [1, ...])."""
+    return SimpleNamespace(
+        **{f: None if t is None else t[None] for f in kv._FIELDS for t in [getattr(kv, f)]}
+    )
+
+
+def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_freq, slot=None, side=None):
+    """xn [1, d] at device position pos [1] -> [1, d]; appends to kv in place. slot: a device zero [1]
+    (made here when not given), side: the layer's SideMatrices (kernel path only)."""
+    if pool_kernels():
+        slot = torch.zeros_like(pos) if slot is None else slot
+        o = attention_decode_pool(w, shape, _as_pool(kv), xn, pos, slot, inv_freq, side)
+        return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
     R, eps, W, r = shape.n_rot, shape.rms_eps, shape.window, shape.ratio
     qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)
     q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, shape.head_dim)), pos, inv_freq, eps)
@@ -194,13 +274,18 @@ def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_f
     return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
 
 
-def route_decode(w, xf, token, k: int, scale: float, normalize: bool):
+def route_decode(w, xf, token, k: int, scale: float, normalize: bool, side: SideMatrices | None = None):
     """ds4.model.moe.route for one token, with torch.topk instead of a stable sort of all E experts (a sort
-    costs ~20 us per layer; exact ties of continuous router scores do not occur in practice)."""
+    costs ~20 us per layer; exact ties of continuous router scores do not occur in practice). side: the
+    layer's half copies (the router logits by hmatvec)."""
+    if side is not None and side.router is not None:
+        logits = hmatvec(xf, side.router)  # [B, E]
+    else:
+        logits = F.linear(xf, w.gate_inp)
     if fused.TRITON_FUSED and w.tid2eid is None:  # one kernel: probs, biased top-k, normalised weights
-        ids, weights = fused.router_topk(F.linear(xf, w.gate_inp), w.bias, k, scale, normalize)
+        ids, weights = fused.router_topk(logits, w.bias, k, scale, normalize)
         return weights, ids
-    probs = torch.sqrt(F.softplus(F.linear(xf, w.gate_inp)))  # [1, E]
+    probs = torch.sqrt(F.softplus(logits))  # [1, E]
     if w.tid2eid is not None:
         ids = w.tid2eid[token]  # [1, k]
     else:
@@ -211,16 +296,17 @@ def route_decode(w, xf, token, k: int, scale: float, normalize: bool):
     return weights * scale, ids
 
 
-def decode_layer(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, token, pos, dtype):
-    """X [1, S, d] -> [1, S, d] for one token (token [1], pos [1] device tensors)."""
+def decode_layer(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, token, pos, dtype, slot=None, side=None):
+    """X [1, S, d] -> [1, S, d] for one token (token [1], pos [1] device tensors; slot: a device zero [1],
+    side: the layer's SideMatrices or None)."""
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
     xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)
-    X = fused.hc_post(attention_decode(w.attn, shape, kv, xn, pos, inv_freq), X, post, comb)
+    X = fused.hc_post(attention_decode(w.attn, shape, kv, xn, pos, inv_freq, slot, side), X, post, comb)
     h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
     xf, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
     weights, ids = route_decode(
-        m, xf, token, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm
+        m, xf, token, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     y = routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
     y = y + lin(fused.swiglu_mid(lin(xf, m.gate_sh), lin(xf, m.up_sh), clamp), m.down_sh)

@@ -24,7 +24,7 @@ from ds4.config import ModelConfig
 from ds4.model.block import Block, load_layer
 from ds4.model.cuda import fused
 from ds4.model.cuda.batch import decode_layer_batch
-from ds4.model.cuda.layer import decode_layer, lin, prefill_layer, qmatvec
+from ds4.model.cuda.layer import SideMatrices, decode_layer, hmatvec, lin, prefill_layer, qmatvec
 from ds4.model.cuda.state import DeviceKVState, KVPool
 from ds4.model.cuda.weights import QLinear, RawSource, WeightStore
 from ds4.model.hc import HCWeights, hc_head
@@ -36,6 +36,10 @@ DEFAULT_PREFILL_CHUNK = 4096
 # speed of forward(state, [tok])). 0: through the pool's bucket-1 graph (one capture per pool; timed as "1*"
 # by tools/gpu/batch_check.py). Env DS4_BATCH1_SINGLE.
 BATCH1_SINGLE = os.environ.get("DS4_BATCH1_SINGLE", "1") != "0"
+# Decode reads the small side matrices (compressors, indexer proj / q_b, router) from float16 copies, one
+# hmatvec per input, instead of f32 GEMVs per matrix (they are F16 in the file: the copies are exact). On CUDA
+# by default (env DS4_SIDE_HALF=0: off); CudaModel(side_half=...) overrides. Prefill keeps the f32 matrices.
+SIDE_HALF = os.environ.get("DS4_SIDE_HALF", "1") != "0"
 
 
 class CudaModel:
@@ -51,6 +55,7 @@ class CudaModel:
         graphs: bool = True,
         kernels: bool | None = None,
         compile: bool | None = None,
+        side_half: bool | None = None,
     ) -> None:
         self.cfg, self.device = cfg, torch.device(device)
         if dtype is None:  # exact float32 for small models; bf16 tensor-core GEMMs at Flash size
@@ -74,6 +79,10 @@ class CudaModel:
             blk = Block(cfg, il, load_layer(cfg, il, get, has))
             blk.inv_freq = blk.inv_freq.to(self.device)
             self.layers.append(blk)
+        if side_half is None:
+            side_half = SIDE_HALF and self.device.type == "cuda"
+        for blk in self.layers:  # SideMatrices: half copies of the small decode matrices, or None
+            blk.side = side_matrices(blk.w) if side_half and hmatvec is not None else None
         self.head_hc = HCWeights(
             fn=get("output_hc_fn.weight"),
             scale=get("output_hc_scale.weight"),
@@ -153,8 +162,22 @@ class CudaModel:
     def decode_step(self, state: DeviceKVState, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The graph body: token [1], pos [1] device tensors -> logits [1, V]; mutates state's buffers."""
         X = self._embed(token)
+        slot = torch.zeros_like(pos)  # the single state is slot 0 of a one-slot pool for the decode kernels
         for blk, kv in zip(self.layers, state.layers, strict=True):
-            X = decode_layer(self.cfg, blk.il, blk.w, blk.shape, blk.inv_freq, kv, X, token, pos, self.dtype)
+            X = decode_layer(
+                self.cfg,
+                blk.il,
+                blk.w,
+                blk.shape,
+                blk.inv_freq,
+                kv,
+                X,
+                token,
+                pos,
+                self.dtype,
+                slot,
+                blk.side,
+            )
         return self.logits(X)
 
     def _decode(self, state: DeviceKVState, token: int) -> torch.Tensor:
@@ -205,7 +228,18 @@ class CudaModel:
         X = self._embed(token)  # [B, S, d]
         for blk, kv in zip(self.layers, pool.layers, strict=True):
             X = decode_layer_batch(
-                self.cfg, blk.il, blk.w, blk.shape, blk.inv_freq, kv, X, token, pos, slot, self.dtype
+                self.cfg,
+                blk.il,
+                blk.w,
+                blk.shape,
+                blk.inv_freq,
+                kv,
+                X,
+                token,
+                pos,
+                slot,
+                self.dtype,
+                blk.side,
             )
         return self.logits(X)
 
@@ -232,6 +266,36 @@ class CudaModel:
             runner.pos.add_(1)
         state.n_tokens += n
         return fed
+
+
+def _half_copy(mats: list) -> torch.Tensor | None:
+    """The matrices [n_i, K] stacked as one float16 [sum n_i, K] when that is exact (F16 file weights), else
+    None (quantized or wider values: those keep their own GEMVs)."""
+    if not mats or not all(isinstance(m, torch.Tensor) and m.is_floating_point() for m in mats):
+        return None
+    from ds4.kernels.matvec import HALF_K_ALIGN
+
+    full = torch.cat([m.float() for m in mats])
+    if full.shape[1] % HALF_K_ALIGN:
+        return None
+    half = full.half()
+    return half.contiguous() if torch.equal(half.float(), full) else None
+
+
+def side_matrices(w) -> SideMatrices | None:
+    """A layer's SideMatrices (ds4.model.cuda.layer): xn-fed compressor / indexer matrices, the router, the
+    indexer q_b; None when none of them has an exact half copy."""
+    a = w.attn
+    mats = []
+    if a.compressor is not None:
+        mats = [a.compressor.kv, a.compressor.gate]
+        if a.indexer is not None:
+            ic = a.indexer.compressor
+            mats += [ic.kv, ic.gate, a.indexer.proj]
+    xn = _half_copy(mats)
+    q_b = _half_copy([a.indexer.q_b]) if a.indexer is not None else None
+    side = SideMatrices(xn, tuple(m.shape[0] for m in mats), _half_copy([w.moe.gate_inp]), q_b)
+    return side if any(t is not None for t in (side.xn, side.router, side.q_b)) else None
 
 
 class DecodeRunner:
