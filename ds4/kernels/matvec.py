@@ -495,9 +495,9 @@ class HalfConfig:
 
 # Defaults, NOT yet timed on a GPU: the lead tunes them with tools/gpu/bench_side.py (cold-L2 GB/s at Flash
 # shapes). HMV_SMALL serves B <= HALF_SMALL_B (decode at one state), HMV_LARGE larger batches. sm_90 builds
-# (bench_side.py --compile-only): "fma" 56-79 registers, no spills; "tf32x2" 134 (B <= 8) to 216 (B = 32)
-# registers, no spills; "ieee" is shared-memory bound (~100 LDS.128 per 256 FFMA in its k loop) and
-# "tf32x3" spills at B = 32.
+# (bench_side.py --compile-only, Triton 3.6): HMV_SMALL 79 registers at B = 1 (k loop: 5 LDG.128, 32 FFMA),
+# 56-64 at B = 2..4; HMV_LARGE 128 (B <= 8) to 242 (B = 32) registers; no spills. "ieee" is shared-memory
+# bound (72-136 LDS per loop), "tf32x3" and tf32x2 with tk 256 spill at B = 32.
 HALF_SMALL_B = 4
 HMV_SMALL = HalfConfig(bn=8, tk=512, warps=4, stages=1, target=1056, mode="fma")  # Q8_MV1's tuned shape
 HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="tf32x2")
@@ -597,6 +597,16 @@ def _half_tile_k(k: int, cap: int) -> int:
     return tk
 
 
+def half_tiles(b: int, k: int, cfg: HalfConfig) -> tuple[int, int, int]:
+    """(BB, TK, MODE) constexprs of _hmv_kernel for b rows of length k under cfg."""
+    _check_half_config(cfg)
+    if cfg.mode == "fma":
+        bb = min(triton.next_power_of_2(b), HALF_FMA_MAX_BB)
+        return bb, _half_tile_k(k, cfg.tk // bb), _FMA_FLAT if bb == 1 else _HALF_MODES["fma"]
+    # Triton pads small dot tiles (sm_90: M, N >= 1, K >= 16); BB >= 8 keeps the padding modest
+    return min(max(triton.next_power_of_2(b), 8), 32), _half_tile_k(k, cfg.tk), _HALF_MODES[cfg.mode]
+
+
 def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> torch.Tensor:
     """x [B, K] f32 (other float dtypes upcast) @ w[N, K]^T, w float16 | bfloat16 contiguous -> [B, N] f32.
 
@@ -612,15 +622,7 @@ def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> 
     if B == 0 or N == 0:
         return torch.zeros(B, N, dtype=torch.float32, device=x.device)
     cfg = cfg or (HMV_SMALL if B <= HALF_SMALL_B else HMV_LARGE)
-    _check_half_config(cfg)
-    mode = _HALF_MODES[cfg.mode]
-    if cfg.mode == "fma":
-        bb = min(triton.next_power_of_2(B), HALF_FMA_MAX_BB)
-        tk = _half_tile_k(K, cfg.tk // bb)
-        mode = _FMA_FLAT if bb == 1 else mode
-    else:  # Triton pads small dot tiles (sm_90: M, N >= 1, K >= 16); BB >= 8 keeps the padding modest
-        bb = min(max(triton.next_power_of_2(B), 8), 32)
-        tk = _half_tile_k(K, cfg.tk)
+    bb, tk, mode = half_tiles(B, K, cfg)
     n_prog, n_kt = triton.cdiv(N, cfg.bn) * triton.cdiv(B, bb), K // tk
     splits = min(n_kt, max(1, triton.cdiv(cfg.target, n_prog)))
     per = triton.cdiv(n_kt, splits)

@@ -2,6 +2,8 @@
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_side.py [--b 1,8,32] [--quick]     (~2-4 minutes)
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_side.py --list   (shapes and configs; needs no GPU)
+              PYTHONPATH=. python3 tools/gpu/bench_side.py --compile-only [--quick]   (sm_90 builds with
+              Triton's bundled ptxas: registers, spill bytes and the k loop's instruction mix per config)
 
 Shapes (one decode step of Flash): the attention input's concatenated compressor / indexer matrices of a
 ratio-4 layer [2 x 1024 + 2 x 256 + 64, 4096] and of a ratio-128 layer [2 x 512, 4096], the router
@@ -57,15 +59,19 @@ FMA = [
 ]
 DOT = [
     HalfConfig(bn, tk, warps, stages, target, mode)
-    for mode in ("ieee", "tf32x2", "tf32x3")
-    for bn, tk, warps, stages, target in (
-        (32, 128, 4, 2, 1056),
-        (16, 128, 4, 2, 1056),
-        (32, 64, 4, 3, 1056),
-        (64, 128, 8, 2, 528),
+    for mode, bn, tk, warps, stages, target in (
+        ("tf32x2", 32, 128, 4, 2, 1056),
+        ("tf32x2", 32, 128, 4, 3, 1056),
+        ("tf32x2", 16, 128, 4, 2, 1056),
+        ("tf32x2", 64, 128, 4, 2, 1056),
+        ("tf32x2", 64, 64, 4, 3, 1056),
+        ("tf32x2", 32, 256, 8, 2, 528),
+        ("ieee", 16, 128, 4, 2, 1056),
+        ("ieee", 32, 64, 4, 2, 1056),
+        ("tf32x3", 32, 128, 4, 2, 1056),
     )
 ]
-QUICK = [matvec.HMV_SMALL, matvec.HMV_LARGE, FMA[3], DOT[4]]
+QUICK = [matvec.HMV_SMALL, matvec.HMV_LARGE, FMA[3], DOT[3]]
 TOL = 1e-5
 
 
@@ -132,11 +138,76 @@ def run(batches: tuple[int, ...], quick: bool) -> None:
         )
 
 
+# ---------------------------------------------------------------------------------------------------------
+# --compile-only: no GPU needed
+
+_SIG = {"x_ptr": "*fp32", "w_ptr": "*fp16", "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32"}
+_LOOP_OPS = ("LDG", "LDGSTS", "HMMA", "HGMMA", "FFMA", "LDS", "LDSM", "BAR", "STL", "LDL")
+
+
+def _build(b: int, k: int, cfg: HalfConfig):
+    """The sm_90 kernel hmatvec launches for b rows of length k (16-byte aligned pointers and K)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = matvec._hmv_kernel
+    bb, tk, mode = matvec.half_tiles(b, k, cfg)
+    consts = {"BB": bb, "BN": cfg.bn, "TK": tk, "MODE": mode, "STAGES": cfg.stages}
+    sig = {name: _SIG.get(name, "i32") if name not in consts else "constexpr" for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _SIG}
+    src = ASTSource(fn, signature=sig, constexprs=consts, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
+
+
+def _sass_summary(cubin: bytes) -> str:
+    """Registers, spill stack and the op mix of the innermost loop (shortest backward branch)."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        use = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", use)
+    stack = re.search(r"STACK:(\d+)", use)
+    ins = []  # (address, opcode without modifiers, operands)
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[.\w]*(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    back = [
+        (int(t.group(1), 16), a)
+        for a, op, rest in ins
+        if op == "BRA" and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < a
+    ]
+    mix = ""
+    if back:
+        lo, hi = min(back, key=lambda r: r[1] - r[0])
+        ops = [op for a, op, _ in ins if lo <= a <= hi]
+        mix = " ".join(f"{o} {ops.count(o)}" for o in _LOOP_OPS if ops.count(o))
+    return f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} | loop: {mix}"
+
+
+def compile_only(batches: tuple[int, ...], quick: bool) -> None:
+    print(f"triton {triton.__version__}, sm_90, K = 4096 (fp16 weights)")
+    for b in batches:
+        for cfg in configs_for(b, quick):
+            try:
+                summary = _sass_summary(_build(b, 4096, cfg).asm["cubin"])
+            except Exception as e:  # report every config
+                summary = f"FAILED {type(e).__name__}: {str(e)[:200]}"
+            print(f"  B={b:2d} {label(cfg)}  {summary}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--b", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     ap.add_argument("--quick", action="store_true", help="defaults + a few alternatives only")
     ap.add_argument("--list", action="store_true", help="print shapes and configs, run nothing")
+    ap.add_argument("--compile-only", action="store_true", help="sm_90 builds of the configs, no GPU needed")
     args = ap.parse_args()
     batches = tuple(int(v) for v in args.b.split(","))
     if args.list:
@@ -144,6 +215,9 @@ def main() -> None:
             print(f"{name:10s} N={n:5d} K={k:5d} x{count} per step")
         for b in batches:
             print(f"B={b}: " + "; ".join(label(c) for c in configs_for(b, args.quick)))
+        return
+    if args.compile_only:
+        compile_only(batches, args.quick)
         return
     if not torch.cuda.is_available():
         sys.exit("bench_side: needs a CUDA GPU (use --list to see the shapes and configs)")
