@@ -132,7 +132,14 @@ def _check_against(got: list[torch.Tensor], want: list[torch.Tensor], args, n_ro
 
 
 # (r, h, n_rot, indexer): ratio 4 (overlapping windows) attention and indexer rows, non-overlap stand-ins
-TINY = [(4, 128, 64, False), (4, 64, 64, True), (8, 128, 64, False), (16, 192, 64, False), (8, 32, 16, True)]
+TINY = [
+    (4, 128, 64, False),
+    (4, 64, 64, True),
+    (8, 128, 64, False),
+    (16, 192, 64, False),
+    (8, 32, 16, True),
+    (32, 256, 64, False),  # 2 chunks of candidates (online softmax), 2 of the frontier shift
+]
 
 
 @pytest.mark.parametrize("r,h,n_rot,indexer", TINY)

@@ -40,7 +40,7 @@ from .fused import _round_e4m3
 EMPTY_SCORE = -1e30  # = ds4.model.state.EMPTY_SCORE: an empty frontier row's score (softmax weight 0)
 FP8_BLOCK, FP4_BLOCK = 64, 32
 FP4_AMAX_FLOOR = 6.0 * torch.finfo(torch.float32).tiny
-CAND_CHUNK = 16  # candidates per pooling step (r = 128: 8 chunks of [16, h])
+TILE = 4096  # elements of one [rows, columns] tile (pooling: candidates x h; shift: frontier rows x c h)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -96,7 +96,8 @@ def _compress_decode_kernel(
     kvn_ptr, scn_ptr, ape_ptr, fk_ptr, fs_ptr, rows_ptr, slot_ptr, pos_ptr, norm_ptr, inv_ptr,
     cap, skv, ssc, eps, hscale, fp4_floor,
     R: tl.constexpr, H: tl.constexpr, NROT: tl.constexpr, OVERLAP: tl.constexpr, INDEXER: tl.constexpr,
-    HAS_SLOT: tl.constexpr, LOG2H: tl.constexpr, CH: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+    HAS_SLOT: tl.constexpr, LOG2H: tl.constexpr, CH: tl.constexpr, SH: tl.constexpr, BH: tl.constexpr,
+    BW: tl.constexpr,
 ):  # fmt: skip
     """Program b: token b into frontier slot[b], the pooled row, the store of a finished window, the shift."""
     b = tl.program_id(0)
@@ -171,8 +172,8 @@ def _compress_decode_kernel(
     tl.store(fs_ptr + front + at * W + wc, sw, mask=wm & (m != R - 1))
     E0: tl.constexpr = R if OVERLAP else 0  # first row to empty
     if OVERLAP:  # previous window <- current window (its last row is this token)
-        j = tl.arange(0, CH)
-        for j0 in tl.static_range(0, R, CH):
+        j = tl.arange(0, SH)
+        for j0 in tl.static_range(0, R, SH):
             jj = j0 + j
             src = front + (R + jj)[:, None] * W + wc[None, :]
             dst = front + jj[:, None] * W + wc[None, :]
@@ -183,13 +184,13 @@ def _compress_decode_kernel(
             tl.store(fk_ptr + dst, kv, mask=msk)
             tl.store(fs_ptr + dst, sc, mask=msk)
         tl.debug_barrier()  # the loads of the current rows come before their emptying
-    j = tl.arange(0, CH)
-    for j0 in tl.static_range(0, R, CH):
+    j = tl.arange(0, SH)
+    for j0 in tl.static_range(0, R, SH):
         jj = j0 + j
         dst = front + (E0 + jj)[:, None] * W + wc[None, :]
         msk = (jj < R)[:, None] & wm[None, :] & done
-        tl.store(fk_ptr + dst, tl.zeros([CH, BW], tl.float32), mask=msk)
-        tl.store(fs_ptr + dst, tl.full([CH, BW], EMPTY_SCORE, tl.float32), mask=msk)
+        tl.store(fk_ptr + dst, tl.zeros([SH, BW], tl.float32), mask=msk)
+        tl.store(fs_ptr + dst, tl.full([SH, BW], EMPTY_SCORE, tl.float32), mask=msk)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,14 +288,14 @@ def compress_decode(
         return
     kv_new, score_new = (_rows_f32(t) for t in (kv_new, score_new))  # column slices of a wider matvec ok
     f32 = [t.float().contiguous() for t in (ape, norm, inv_freq)]
-    BH = triton.next_power_of_2(h)
+    BH, BW = triton.next_power_of_2(h), triton.next_power_of_2(c * h)
     _compress_decode_kernel[(B,)](
         kv_new, score_new, f32[0], fk, fs, rows, slot.contiguous() if slot is not None else pos,
         pos.contiguous(), f32[1], f32[2], cap, kv_new.stride(0), score_new.stride(0), float(eps),
         float(h**-0.5), FP4_AMAX_FLOOR,
         R=r, H=h, NROT=n_rot, OVERLAP=c == 2, INDEXER=bool(indexer), HAS_SLOT=slot is not None,
-        LOG2H=max(1, h.bit_length() - 1), CH=min(CAND_CHUNK, triton.next_power_of_2(c * r)), BH=BH,
-        BW=triton.next_power_of_2(c * h), num_warps=8 if c * r * h > 8192 else 4,
+        LOG2H=max(1, h.bit_length() - 1), CH=min(max(1, TILE // BH), triton.next_power_of_2(c * r)),
+        SH=min(max(1, TILE // BW), triton.next_power_of_2(r)), BH=BH, BW=BW, num_warps=8 if h >= 512 else 4,
     )  # fmt: skip
 
 
