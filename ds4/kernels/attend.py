@@ -30,12 +30,13 @@ import triton
 import triton.language as tl
 
 # Tiling (to be tuned on the H200): heads per program, keys per inner block, splits aimed at this many
-# programs in all (about two per SM), rows per indexer program.
+# programs in all (about two per SM), rows per indexer program and per inner dot.
 ATTEND_BH = 16
 ATTEND_BN = 16
 ATTEND_PROGRAMS = 264
 ATTEND_WARPS = 8
-INDEX_BC = 32
+INDEX_BC = 64
+INDEX_BCI = 16
 INDEX_WARPS = 8
 # Precision of the in-kernel dots: "ieee" (exact f32 products, FMA). "tf32x3" (tensor cores, about f32
 # accurate) is the option to time if the FMA dots turn out to bound large batches; env DS4_ATTEND_DOT.
@@ -251,29 +252,33 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
 @triton.jit
 def _indexer_kernel(
     qi_ptr, w_ptr, rows_ptr, slot_ptr, count_ptr, out_ptr, Hi, Di, cap,
-    BH: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    BH: tl.constexpr, BC: tl.constexpr, BCI: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    """Program (b, block of BC rows): the row's query held once, its rows scored BCI at a time (a wider
+    FMA dot spills on sm_90). Sub-blocks wholly past count[b] read nothing and store -inf."""
     b = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
     count = tl.minimum(tl.load(count_ptr + b).to(tl.int32), cap)
-    score = tl.full([BC], float("-inf"), tl.float32)
-    if tl.program_id(1) * BC < count:  # a block wholly past count reads nothing
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        h = tl.arange(0, BH)
-        hm = h < Hi
-        d = tl.arange(0, BD)
-        dm = d < Di
-        cm = c < count
-        qi = tl.load(
-            qi_ptr + (b * Hi + h)[:, None] * Di + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0
-        )
-        r = tl.load(
-            rows_ptr + (slot * cap + c)[:, None] * Di + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0
-        ).to(tl.float32)
-        wts = tl.load(w_ptr + b * Hi + h, mask=hm, other=0.0)
-        s = tl.maximum(tl.dot(qi, tl.trans(r), input_precision=PREC), 0.0)  # [BH, BC]
-        score = tl.where(cm, tl.sum(s * wts[:, None], axis=0), float("-inf"))
-    tl.store(out_ptr + b * cap + c, score, mask=c < cap)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    h = tl.arange(0, BH)
+    hm = h < Hi
+    d = tl.arange(0, BD)
+    dm = d < Di
+    qi = tl.load(qi_ptr + (b * Hi + h)[:, None] * Di + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    wts = tl.load(w_ptr + b * Hi + h, mask=hm, other=0.0)
+    for k in range(0, BC // BCI):  # a loop, not unrolled: unrolled, ptxas spills
+        c0 = tl.program_id(1) * BC + k * BCI
+        c = c0 + tl.arange(0, BCI)
+        score = tl.full([BCI], float("-inf"), tl.float32)
+        if c0 < count:
+            cm = c < count
+            r = tl.load(
+                rows_ptr + (slot * cap + c)[:, None] * Di + d[None, :],
+                mask=cm[:, None] & dm[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            s = tl.maximum(tl.dot(qi, tl.trans(r), input_precision=PREC), 0.0)  # [BH, BCI]
+            score = tl.where(cm, tl.sum(s * wts[:, None], axis=0), float("-inf"))
+        tl.store(out_ptr + b * cap + c, score, mask=c < cap)
 
 
 # =========================================================================================================
@@ -363,7 +368,7 @@ def indexer_scores(
         _indexer_kernel[(B, triton.cdiv(cap, INDEX_BC))](
             qi.float().contiguous(), wts.float().contiguous(), rows, slot.contiguous(),
             count.contiguous(), out, Hi, Di, cap, BH=max(16, triton.next_power_of_2(Hi)), BC=INDEX_BC,
-            BD=max(16, triton.next_power_of_2(Di)), PREC=DOT_PRECISION, num_warps=INDEX_WARPS,
+            BCI=INDEX_BCI, BD=max(16, triton.next_power_of_2(Di)), PREC=DOT_PRECISION, num_warps=INDEX_WARPS,
         )  # fmt: skip
     return out
 
