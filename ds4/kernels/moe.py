@@ -9,8 +9,10 @@ multiplies each pair's down projection by weights[b, j] before summing over j. B
 sum_j Wd[e_j] @ (w_j * mid_j), the formula of model.md §5.5 (weight applied before the down projection), up to
 f32 rounding.
 
-MoeConfig.int8 (env DS4_MOE_INT8=1: in the defaults) selects the Q8_K integer kernels for IQ2_XXS gate/up and
-Q2_K down: x and mid quantized per 256 values to int8 (the C original's numerics, model.md §14), integer dots.
+MoeConfig.int8 (env DS4_MOE_INT8=1: in the defaults) selects the integer kernels for IQ2_XXS gate/up and
+Q2_K down: x and mid quantized per 256 values to int8 planes, integer dots. MoeConfig.terms = 1 is the C
+original's Q8_K (model.md §14, ~1 % of the output scale off the f32 path); terms = 2 (default) adds a second
+int8 plane holding the rounding residual (ref.quantize_q8k), ~250x smaller error for two dp4a instead of one.
 
 For larger batches (prefill), sort the pairs by expert with ``group_by_expert`` and use matmul.moe_grouped.
 
@@ -295,10 +297,13 @@ def _q2k_down_kernel(
 
 # ---------------------------------------------------------------------------------------------------------
 # Q8_K integer path (MoeConfig.int8): the C original's routed-expert formulation (model.md §14). The input x
-# and the mid activation are quantized per 256 values to int8 + f32 scale (_q8k_quant_kernel, as
-# ref.quantize_q8k); weights stay integers packed 4 to an int32 word and meet 4 int8 x values in one dp4a
-# (PTX; DP4A=False: the same sum in plain int32 ops, which Triton's interpreter can run). Exact integer sums
-# per group (8 IQ2_XXS / 16 Q2_K values, times the group's integer sub-scale), scaled by d_w d_x in f32 and
+# and the mid activation are quantized per 256 values to TERMS int8 planes + one f32 scale (_q8k_quant_kernel,
+# as ref.quantize_q8k: TERMS 1 is Q8_K, v = q1; TERMS 2 adds the residual plane, v = 254 q1 + q2); weights
+# stay integers packed 4 to an int32 word and meet 4 int8 x values in one dp4a (PTX; DP4A=False: the same sum
+# in plain int32 ops, which Triton's interpreter can run). TERMS 2 runs the same decoded weight words through
+# a second dp4a on plane 2, accumulating onto 254 x the plane-1 sum: one extra dp4a per 4 weights plus one
+# IMAD (IQ2_XXS: per group of 8; Q2_K: per word), no extra weight decoding. Exact integer sums per group (8
+# IQ2_XXS / 16 Q2_K values, times the group's integer sub-scale; |.| < 2^31), scaled by d_w d_x in f32 and
 # accumulated per lane; one reduction after the k loop. Same integers as ref.q8k_matvec_row (the twin, which
 # sums whole blocks as integers first): the two differ by f32 rounding only.
 #   IQ2_XXS: a group of 8 = grid row (magnitudes 8/25/43 as bytes: words lo, hi) + 8 sign bits (7 stored +
@@ -338,26 +343,37 @@ def _rne_int(v):
 
 
 @triton.jit
-def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, TINY: tl.constexpr):
-    """Block program_id(1) of row program_id(0): x [R, K] (f32|bf16) -> q int8 [R, K], d f32 [R, K/256]."""
+def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, plane, TINY: tl.constexpr, TERMS: tl.constexpr):
+    """Block program_id(1) of row program_id(0): x [R, K] (f32|bf16) -> q int8 [TERMS, R, K] (planes `plane`
+    = R * K apart), d f32 [R, K/256]; the math of ref.quantize_q8k (run without FMA contraction)."""
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     i = tl.arange(0, 256)
     x = tl.load(x_ptr + r * stride_x + blk * 256 + i).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     big = amax >= TINY
-    iscale = tl.where(big, tl.div_rn(127.0, tl.where(big, amax, 1.0)), 0.0)  # correctly rounded, as torch
-    d = tl.where(big, tl.div_rn(amax, 127.0), 0.0)
+    safe = tl.where(big, amax, 1.0)
+    iscale = tl.where(big, tl.div_rn(127.0, safe), 0.0)  # correctly rounded, as torch
     q = tl.minimum(tl.maximum(_rne_int(x * iscale), -127), 127)
     tl.store(q_ptr + r * K + blk * 256 + i, q.to(tl.int8))
+    if TERMS == 2:  # residual plane: x in units of amax / 32258, minus 254 q (exact: both near 254 q)
+        d = tl.where(big, tl.div_rn(amax, 32258.0), 0.0)
+        t = x * tl.where(big, tl.div_rn(32258.0, safe), 0.0) - (254 * q).to(tl.float32)
+        q2 = tl.minimum(tl.maximum(_rne_int(t), -127), 127)
+        tl.store(q_ptr + plane + r * K + blk * 256 + i, q2.to(tl.int8))
+    else:
+        d = tl.where(big, tl.div_rn(amax, 127.0), 0.0)
     tl.store(d_ptr + r * (K // 256) + blk, d)
 
 
 @triton.jit
-def _iq2_q8k_block(qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.constexpr):
-    """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g q per group 4 sb + l of IQ2_XXS super-block kt of rows
-    wrow, with the Q8_K words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group) and scale dx of x. The
-    caller accumulates these per lane and reduces once after its k loop (in-loop reductions cost barriers)."""
+def _iq2_q8k_block(
+    qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS: tl.constexpr, DP4A: tl.constexpr
+):
+    """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g v per group 4 sb + l of IQ2_XXS super-block kt of rows
+    wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
+    x2lo, x2hi (TERMS 2; v = 254 q1 + q2) and scale dx of x. The caller accumulates these per lane and
+    reduces once after its k loop (in-loop reductions cost barriers)."""
     sb = tl.arange(0, 8)[None, :, None]
     lg = tl.arange(0, 4)[None, None, :]
     w3 = wrow[:, None, None]
@@ -368,9 +384,13 @@ def _iq2_q8k_block(qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, dx, DP4A: tl.
     lo = row.to(tl.int32)  # bytes 0-3 (truncation)
     hi = (row >> 32).to(tl.int32)  # bytes 4-7
     m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
-    dot = _dot4(_negate_bytes(lo, m.to(tl.int32)), xlo, 0, DP4A)
-    dot = _dot4(_negate_bytes(hi, (m >> 32).to(tl.int32)), xhi, dot, DP4A)
-    scaled = dot * (2 * ((a1 >> 28) & 15) + 1)  # |.| <= 8 * 43 * 127 * 31 < 2^24: exact as f32
+    wlo = _negate_bytes(lo, m.to(tl.int32))  # signed grid bytes, shared by both planes
+    whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
+    dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
+    if TERMS == 2:
+        dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)
+    # |dot (2 ls + 1)| <= 8 * 43 * 127 * 31 < 2^24 (TERMS 1: exact as f32), x 255 < 2^31 (TERMS 2)
+    scaled = dot * (2 * ((a1 >> 28) & 15) + 1)
     return (d * dx)[:, None, None] * scaled.to(tl.float32)
 
 
@@ -391,15 +411,17 @@ def _iq2_q8k_gate_up_kernel(
     n_slots,
     F,
     K,
+    xplane,
     clamp,
     kt_per_split,
     BN: tl.constexpr,
     CLAMP: tl.constexpr,
     SPLIT: tl.constexpr,
+    TERMS: tl.constexpr,
     DP4A: tl.constexpr,
 ):
-    """Gate and up of one (row, slot) pair on the Q8_K input (xw [B, K/4] int32 words, dx [B, K/256]);
-    outputs as _gate_up_kernel."""
+    """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/4] int32 words, planes
+    xplane = B K / 4 words apart; dx [B, K/256]); outputs as _gate_up_kernel."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -417,9 +439,15 @@ def _iq2_q8k_gate_up_kernel(
     for kt in range(lo, hi):
         xlo = tl.load(xo + kt * 64 + xg)
         xhi = tl.load(xo + kt * 64 + xg + 1)
+        if TERMS == 2:
+            x2lo = tl.load(xo + xplane + kt * 64 + xg)
+            x2hi = tl.load(xo + xplane + kt * 64 + xg + 1)
+        else:  # unused
+            x2lo = xlo
+            x2hi = xhi
         dx = tl.load(dx_ptr + b * nb + kt)
-        acc_g += _iq2_q8k_block(gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, dx, DP4A)
-        acc_u += _iq2_q8k_block(uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, dx, DP4A)
+        acc_g += _iq2_q8k_block(gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A)
+        acc_u += _iq2_q8k_block(uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A)
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
     _store_gate_up(out_ptr, acc_g, acc_u, pair, pid_s, n, F, clamp, CLAMP, SPLIT)
@@ -437,13 +465,16 @@ def _q2k_q8k_down_kernel(
     out_ptr,
     D,
     F,
+    xplane,
     kt_per_split,
     BN: tl.constexpr,
+    TERMS: tl.constexpr,
     DP4A: tl.constexpr,
 ):
-    """Q2_K down projection of one pair on its Q8_K mid row (xw [pairs, F/4] int32 words, dx [pairs, F/256]);
-    output as _down_kernel. Quant word 4c + jj (c = 16-byte group: half c // 2, byte group c % 2) shifted by
-    2t holds elements 128 (c // 2) + 32 t + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2."""
+    """Q2_K down projection of one pair on its quantized mid row (xw [TERMS, pairs, F/4] int32 words, planes
+    xplane = pairs F / 4 words apart; dx [pairs, F/256]); output as _down_kernel. Quant word 4c + jj (c =
+    16-byte group: half c // 2, byte group c % 2) shifted by 2t holds elements 128 (c // 2) + 32 t
+    + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -472,8 +503,14 @@ def _q2k_q8k_down_kernel(
         dx = tl.load(dx_ptr + pair.to(tl.int64) * nb + kt)
         w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
         q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
-        qx = tl.sum(_dot4(q, xw[None, :, :, :], 0, DP4A), axis=3)  # [BN, 4c, 4t] sum of 16 q x
-        xs = tl.sum(_dot4(ones, xw, 0, DP4A), axis=2)  # [4c, 4t] sum of 16 x
+        qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
+        xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
+        if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
+            xw2 = tl.load(xo + xplane + kt * 64 + xcol)
+            qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
+            xv = _dot4(ones, xw2, xv * 254, DP4A)
+        qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
+        xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
         s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
         d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
         dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
@@ -508,6 +545,11 @@ class MoeConfig:
     fast: bool = False  # the dedicated IQ2_XXS gate/up and Q2_K down kernels where the format matches
     int8: bool = False  # the Q8_K integer kernels for IQ2_XXS gate/up and Q2_K down (wins over `fast`)
     dp4a: bool = True  # int8 kernels on CUDA: PTX dp4a (False: the plain int32 expression, for A/B)
+    terms: int = 2  # int8 kernels: activation int8 planes (1: plain Q8_K, ~1 % error; 2: + residual plane)
+
+    def __post_init__(self) -> None:
+        if self.terms not in (1, 2):
+            raise ValueError(f"MoeConfig.terms must be 1 or 2, got {self.terms}")
 
 
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
@@ -515,7 +557,9 @@ class MoeConfig:
 # 89 us (bn 16: 115; k-splits 2-8 slower), down bn 32 39-62 us; the dedicated kernels (fast=True) 132 / 62 us.
 # Env DS4_MOE_INT8=1: the defaults run the Q8_K integer kernels, with their best tiles measured on the H200
 # (tools/gpu/bench_moe.py, B = 1/8/32: gate+up bn 16 40 us vs bn 8 56 us; down bn 64 25 us vs bn 32 26 us).
-# Off by default: the Q8_K error (~1 % of the output scale) exceeds the CUDA-vs-reference test tolerance.
+# Off by default so far: one-term Q8_K (~1 % of the output scale) exceeded the CUDA-vs-reference tolerance;
+# two terms (the default of MoeConfig.terms) are ~250x closer, their H200 timing is pending. To make the int8
+# kernels the default, change the "0" below to "1".
 _INT8 = os.environ.get("DS4_MOE_INT8", "0") == "1"
 GATE_UP = MoeConfig(bn=16, splits=1, int8=True) if _INT8 else MoeConfig(bn=8, splits=1)
 DOWN = MoeConfig(bn=64, splits=1, int8=True) if _INT8 else MoeConfig(bn=32, splits=1)
@@ -544,22 +588,26 @@ def _dp4a(t: torch.Tensor, cfg: MoeConfig) -> bool:
     return cfg.dp4a and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def quantize_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] f32|bf16, K a multiple of 256 -> (q int8 [R, K], d f32 [R, K/256]) per 256 values, exactly as
-    ref.quantize_q8k (d = amax / 127, q = RNE(x * 127 / amax)). One launch, no host sync."""
+def quantize_q8k(x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] f32|bf16, K a multiple of 256 -> (q int8 [T, R, K], d f32 [R, K/256]) per 256 values, T =
+    terms planes, exactly as ref.quantize_q8k (T 1: d = amax / 127, q = RNE(x * 127 / amax); T 2: plus the
+    residual plane, d = amax / 32258). One launch, no host sync."""
     if x.ndim != 2 or x.shape[1] % 256:
         raise ValueError(f"quantize_q8k: x must be [rows, K] with K a multiple of 256, got {tuple(x.shape)}")
+    if terms not in (1, 2):
+        raise ValueError(f"quantize_q8k: terms must be 1 or 2, got {terms}")
     if not use_triton(x):
-        return ref.quantize_q8k(x)
+        return ref.quantize_q8k(x, terms)
     x = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
     R, K = x.shape
-    q = torch.empty(R, K, dtype=torch.int8, device=x.device)
+    q = torch.empty(terms, R, K, dtype=torch.int8, device=x.device)
     d = torch.empty(R, K // 256, dtype=torch.float32, device=x.device)
     if R:
-        # no FMA contraction: x * iscale must round to f32 before the + 1.5 * 2^23 of the rounding (as torch)
+        # no FMA contraction: products must round to f32 before the additions that follow (as torch)
         _q8k_quant_kernel[(R, K // 256)](
-            x, q, d, K, x.stride(0), TINY=ref.Q8K_TINY, num_warps=2, enable_fp_fusion=False
-        )
+            x, q, d, K, x.stride(0), R * K,
+            TINY=ref.Q8K_TINY, TERMS=terms, num_warps=2, enable_fp_fusion=False,
+        )  # fmt: skip
     return q, d
 
 
@@ -582,7 +630,9 @@ def moe_gate_up(
     cfg = cfg or GATE_UP
     int8 = _int8(cfg, wg, GGMLType.IQ2_XXS)
     if not use_triton(x):
-        return (ref.moe_gate_up_q8k if int8 else ref.moe_gate_up)(x, wg, wu, ids, clamp)
+        if int8:
+            return ref.moe_gate_up_q8k(x, wg, wu, ids, clamp, cfg.terms)
+        return ref.moe_gate_up(x, wg, wu, ids, clamp)
     B, k = ids.shape
     F, K = wg.N, wg.K
     out = torch.empty(B, k, F, dtype=torch.float32, device=x.device)
@@ -593,12 +643,12 @@ def moe_gate_up(
     part = out if splits == 1 else torch.empty(splits, 2, B * k, F, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(F, cfg.bn), B * k, splits)
     if int8:
-        xq, dx = quantize_q8k(x)
+        xq, dx = quantize_q8k(x, cfg.terms)
         g, u, tab, ksm = wg.data, wu.data, iq2xxs_grid_i64(x.device), _iq2_sign_masks(x.device)
         _iq2_q8k_gate_up_kernel[grid](
             xq.view(torch.int32), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
-            k, F, K, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1, DP4A=_dp4a(x, cfg),
-            num_warps=cfg.warps,
+            k, F, K, B * K // 4, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
+            TERMS=cfg.terms, DP4A=_dp4a(x, cfg), num_warps=cfg.warps,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
         g, u = wg.data, wu.data
@@ -641,7 +691,9 @@ def moe_down(
     cfg = cfg or DOWN
     int8 = _int8(cfg, wd, GGMLType.Q2_K)
     if not use_triton(mid):
-        return (ref.moe_down_q8k if int8 else ref.moe_down)(mid, weights, wd, ids)
+        if int8:
+            return ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)
+        return ref.moe_down(mid, weights, wd, ids)
     D = wd.N
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down")
     if B * k == 0:
@@ -652,11 +704,11 @@ def moe_down(
     grid = (triton.cdiv(D, cfg.bn), B * k, splits)
     rw = weights.float().contiguous()
     if int8:
-        xq, dx = quantize_q8k(mid)
+        xq, dx = quantize_q8k(mid, cfg.terms)
         w = wd.data
         _q2k_q8k_down_kernel[grid](
-            xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F, per,
-            BN=cfg.bn, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
+            xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F,
+            B * k * F // 4, per, BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
         )  # fmt: skip
     elif wd.qtype == GGMLType.Q2_K and cfg.fast:
         w = wd.data

@@ -71,29 +71,53 @@ def moe_grouped(x_sorted: torch.Tensor, w, offsets: torch.Tensor) -> torch.Tenso
 
 # ---------------------------------------------------------------------------------------------------------
 # Q8_K integer path of the routed experts (moe.py with MoeConfig(int8=True)): the C original's formulation
-# (model.md §14). The expert input and the mid activation are quantized per 256 values to int8 + an f32 scale;
-# IQ2_XXS / Q2_K weights enter as their integers; dots are exact integer sums per (sub-)block, scaled in f32:
-#   IQ2_XXS block: S = sum_sb (2 ls_sb + 1) sum_32 g_i q_i;   y += (d_w d_x) S;   finally y *= 0.125
-#   Q2_K block: I = sum_g sc_g sum_16 q_i x_i, M = sum_g m_g sum_16 x_i;   y += (d_w d_x) I - (dmin_w d_x) M
+# (model.md §14), optionally refined. The expert input and the mid activation are quantized per 256 values to
+# `terms` int8 planes + one f32 scale; IQ2_XXS / Q2_K weights enter as their integers; dots are exact integer
+# sums per (sub-)block, scaled in f32:
+#   IQ2_XXS block: S = sum_sb (2 ls_sb + 1) sum_32 g_i v_i;   y += (d_w d_x) S;   finally y *= 0.125
+#   Q2_K block: I = sum_g sc_g sum_16 q_i v_i, M = sum_g m_g sum_16 v_i;   y += (d_w d_x) I - (dmin_w d_x) M
 # (g_i signed grid values, ls the 4-bit sub-block scale: db = d (0.5 + ls) / 4 = d (2 ls + 1) / 8.)
-# Legend: R rows, K row length (multiple of 256), nb = K / 256, N weight rows.
+# Activation value v_i (x_i ~ d_x v_i), per block of 256 with amax = max |x_i|:
+#   terms 1 (Q8_K): d_x = amax / 127, v = q1 = RNE(x * 127 / amax); |x - d_x v| <= d_x / 2 (~0.4 % of amax).
+#   terms 2: d_x = amax / (127 * 254), v = 254 q1 + q2 with q1 as above and q2 = RNE(x * (127 * 254 / amax)
+#            - 254 q1), the rounding residual of q1 in units of amax / (127 * 254), |q2| <= 127: two int8
+#            planes whose dots share every weight decode; |x - d_x v| <= ~d_x / 2, 254 times smaller.
+# Legend: R rows, K row length (multiple of 256), nb = K / 256, N weight rows, T terms (int8 planes).
 
 Q8K_TINY = 1e-30  # blocks with amax below this quantize to zeros (keeps 127 / amax finite)
+Q8K_STEP = 254  # terms 2: weight of the first plane (v = 254 q1 + q2)
 
 
-def quantize_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (q int8 [R, K], d f32 [R, K/256]) per 256 values: d = amax / 127, q = RNE(x * (127 / amax))
-    in [-127, 127], both divisions correctly rounded; a block with amax < Q8K_TINY gives d = 0, q = 0."""
+def quantize_q8k(x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (q int8 [T, R, K], d f32 [R, K/256]) per 256 values, T = terms (1 or 2), see the section
+    comment: q[0] = RNE(x * (127 / amax)) in [-127, 127], q[1] = RNE(x * (32258 / amax) - 254 q[0]) clamped
+    to [-127, 127]; d = amax / 127 (T 1) or amax / 32258 (T 2). Divisions correctly rounded, f32 products
+    rounded before the subtraction (no FMA); a block with amax < Q8K_TINY gives d = 0, q = 0."""
+    if terms not in (1, 2):
+        raise ValueError(f"quantize_q8k: terms must be 1 or 2, got {terms}")
     R, K = x.shape
     xb = x.float().reshape(R, K // 256, 256)
     amax = xb.abs().amax(-1)  # [R, nb]
     big = amax >= Q8K_TINY
     # tensor / tensor, correctly rounded (torch: `s / t` is t.reciprocal() * s, on CUDA `t / s` is t * (1/s))
-    c127 = torch.full_like(amax, 127.0)
+    full = 127.0 * Q8K_STEP ** (terms - 1)
+    c127, cfull = torch.full_like(amax, 127.0), torch.full_like(amax, full)
     iscale = torch.where(big, c127 / torch.where(big, amax, 1.0), 0.0)
-    d = torch.where(big, amax / c127, 0.0)
-    q = torch.round(xb * iscale[..., None]).clamp(-127, 127)  # torch.round: half to even
-    return q.to(torch.int8).reshape(R, K), d
+    d = torch.where(big, amax / cfull, 0.0)
+    q1 = torch.round(xb * iscale[..., None]).clamp(-127, 127)  # torch.round: half to even
+    planes = [q1]
+    if terms == 2:
+        iscale2 = torch.where(big, cfull / torch.where(big, amax, 1.0), 0.0)
+        planes.append(torch.round(xb * iscale2[..., None] - Q8K_STEP * q1).clamp(-127, 127))
+    return torch.stack(planes).to(torch.int8).reshape(terms, R, K), d
+
+
+def q8k_values(q: torch.Tensor) -> torch.Tensor:
+    """Planes q int8 [T, ...] -> the activation integers v int64 [...] (254 q1 + q2 for T = 2)."""
+    v = q[0].long()
+    for plane in q[1:]:
+        v = Q8K_STEP * v + plane.long()
+    return v
 
 
 def _table_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,18 +157,19 @@ def q8k_weight_ints(w) -> dict[str, torch.Tensor]:
 
 
 def q8k_block_ints(wi: dict[str, torch.Tensor], q: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Exact per-super-block integer sums of weight ints (q8k_weight_ints) with one quantized row q [K].
+    """Exact per-super-block integer sums of weight ints (q8k_weight_ints) with one quantized row, planes
+    q [T, K] int8 (or [K]: one plane).
 
     IQ2_XXS: {"S": [N, nb]}; Q2_K: {"I": [N, nb], "M": [N, nb]} (int64; see the section comment)."""
-    v = wi["v"]
-    N, K = v.shape
+    w = wi["v"].long()
+    N, K = w.shape
     nb = K // 256
-    qi = q.reshape(-1).int()
+    v = q8k_values(q.reshape(-1, K))  # [K] int64
     if "ls" in wi:
-        isum = (v.reshape(N, K // 32, 32) * qi.reshape(K // 32, 32)).sum(-1, dtype=torch.int64)  # [N, K/32]
+        isum = (w.reshape(N, K // 32, 32) * v.reshape(K // 32, 32)).sum(-1)  # [N, K/32]
         return {"S": ((2 * wi["ls"] + 1) * isum).reshape(N, nb, 8).sum(-1)}
-    isum = (v.reshape(N, K // 16, 16) * qi.reshape(K // 16, 16)).sum(-1, dtype=torch.int64)  # [N, K/16]
-    xs = qi.reshape(K // 16, 16).sum(-1, dtype=torch.int64)  # [K/16]
+    isum = (w.reshape(N, K // 16, 16) * v.reshape(K // 16, 16)).sum(-1)  # [N, K/16]
+    xs = v.reshape(K // 16, 16).sum(-1)  # [K/16]
     return {
         "I": (wi["sc"] * isum).reshape(N, nb, 16).sum(-1),
         "M": (wi["m"] * xs).reshape(N, nb, 16).sum(-1),
@@ -152,18 +177,19 @@ def q8k_block_ints(wi: dict[str, torch.Tensor], q: torch.Tensor) -> dict[str, to
 
 
 def q8k_matvec_row(wi: dict[str, torch.Tensor], q: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
-    """[N] f32: weight ints (q8k_weight_ints) dotted with one Q8_K row (q [K] int8, dx [nb] f32)."""
+    """[N] f32: weight ints (q8k_weight_ints) dotted with one quantized row (planes q [T, K] int8 or [K],
+    dx [nb] f32)."""
     s = q8k_block_ints(wi, q)
     if "S" in s:
         return ((wi["d"] * dx) * s["S"].float()).sum(-1) * 0.125
     return ((wi["d"] * dx) * s["I"].float() - (wi["dmin"] * dx) * s["M"].float()).sum(-1)
 
 
-def qmatvec_q8k(x: torch.Tensor, w) -> torch.Tensor:
-    """x [B, K] quantized to Q8_K, times IQ2_XXS / Q2_K rows W [N, K] -> [B, N] f32 (integer dots)."""
-    q, dx = quantize_q8k(x)
+def qmatvec_q8k(x: torch.Tensor, w, terms: int = 2) -> torch.Tensor:
+    """x [B, K] quantized (`terms` planes) times IQ2_XXS / Q2_K rows W [N, K] -> [B, N] f32, integer dots."""
+    q, dx = quantize_q8k(x, terms)
     wi = q8k_weight_ints(w)
-    rows = [q8k_matvec_row(wi, q[b], dx[b]) for b in range(x.shape[0])]
+    rows = [q8k_matvec_row(wi, q[:, b], dx[b]) for b in range(x.shape[0])]
     return torch.stack(rows) if rows else x.new_zeros(0, w.rows, dtype=torch.float32)
 
 
@@ -181,29 +207,31 @@ def _pairs_by_expert(ids: torch.Tensor) -> dict[int, list[tuple[int, int]]]:
     return pairs
 
 
-def moe_gate_up_q8k(x: torch.Tensor, wg, wu, ids: torch.Tensor, clamp: float) -> torch.Tensor:
-    """moe_gate_up with x quantized to Q8_K and integer dots: mid [B, k, F] f32 (unweighted)."""
+def moe_gate_up_q8k(x: torch.Tensor, wg, wu, ids: torch.Tensor, clamp: float, terms: int = 2) -> torch.Tensor:
+    """moe_gate_up with x quantized (`terms` planes) and integer dots: mid [B, k, F] f32 (unweighted)."""
     B, k = ids.shape
-    q, dx = quantize_q8k(x)
+    q, dx = quantize_q8k(x, terms)
     g = torch.zeros(B, k, wg.N, dtype=torch.float32, device=x.device)
     u = torch.zeros_like(g)
     for e, pairs in _pairs_by_expert(ids).items():  # one integer decode per selected expert
         gi, ui = q8k_weight_ints(_expert(wg, e)), q8k_weight_ints(_expert(wu, e))
         for b, j in pairs:
-            g[b, j] = q8k_matvec_row(gi, q[b], dx[b])
-            u[b, j] = q8k_matvec_row(ui, q[b], dx[b])
+            g[b, j] = q8k_matvec_row(gi, q[:, b], dx[b])
+            u[b, j] = q8k_matvec_row(ui, q[:, b], dx[b])
     return swiglu_clamped(g, u, clamp)
 
 
-def moe_down_q8k(mid: torch.Tensor, weights: torch.Tensor, wd, ids: torch.Tensor) -> torch.Tensor:
-    """moe_down with each pair's mid row quantized to Q8_K and integer dots: [B, D] f32."""
+def moe_down_q8k(
+    mid: torch.Tensor, weights: torch.Tensor, wd, ids: torch.Tensor, terms: int = 2
+) -> torch.Tensor:
+    """moe_down with each pair's mid row quantized (`terms` planes) and integer dots: [B, D] f32."""
     B, k, F = mid.shape
-    q, dx = quantize_q8k(mid.reshape(B * k, F))
+    q, dx = quantize_q8k(mid.reshape(B * k, F), terms)
     y = torch.zeros(B, k, wd.N, dtype=torch.float32, device=mid.device)
     for e, pairs in _pairs_by_expert(ids).items():
         wi = q8k_weight_ints(_expert(wd, e))
         for b, j in pairs:
-            y[b, j] = q8k_matvec_row(wi, q[b * k + j], dx[b * k + j])
+            y[b, j] = q8k_matvec_row(wi, q[:, b * k + j], dx[b * k + j])
     return (y * weights.float()[..., None]).sum(1)
 
 
