@@ -24,6 +24,7 @@ import pytest
 import torch
 from _kernel_env import DEVICE
 
+from ds4.kernels import attend_prefill as ap
 from ds4.kernels.attend_prefill import attend_prefill, attend_prefill_ref
 from ds4.model.cuda.layer import _sink_attention_chunk
 
@@ -147,6 +148,17 @@ TINY = [
 def test_attend_prefill_vs_oracle(T, H, D, W, p0, mode, k, dtype) -> None:
     case = _case(T, H, D, W, p0, mode, k, seed=T * 7 + p0)
     _check(_run(case, dtype), case, dtype)
+
+
+@pytest.mark.parametrize("skip_empty", [False, True])
+def test_other_tilings(monkeypatch, skip_empty: bool) -> None:
+    """Several head blocks (H 20 over BH 16), key blocks of 16, the masked-compute variant of empty blocks."""
+    monkeypatch.setattr(ap, "PREFILL_BH", 16)
+    monkeypatch.setattr(ap, "PREFILL_BN", 16)
+    monkeypatch.setattr(ap, "PREFILL_SKIP_EMPTY", skip_empty)
+    case = _case(12, 20, 32, 16, 9, "garbage", 24, seed=5)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check(_run(case, dtype), case, dtype)
 
 
 @pytest.mark.parametrize("T,H,D,W,p0,mode,k", TINY[:5])

@@ -25,6 +25,7 @@ MODULES = [
     "test_kernels_attend.py",
     "test_kernels_compress.py",
     "test_kernels_prefill.py",
+    "test_kernels_attend_prefill.py",
 ]
 
 
