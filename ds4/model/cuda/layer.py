@@ -190,15 +190,30 @@ def _xn_side(xn, side: SideMatrices | None) -> list[torch.Tensor] | None:
     return list(hmatvec(xn, side.xn).split(side.xn_split, dim=1))
 
 
+# Small chains of the decode attention as one compiled kernel each when the decode step compiles
+# (fused.SWITCH: CUDA, DS4_COMPILE); dynamic shapes: one compile for B = 1, one for every larger bucket.
+@fused.fuse(dynamic=True)
+def _rms(x, weight, eps: float):
+    """rms_norm (eager: five kernels)."""
+    return rms_norm(x, weight, eps)
+
+
+@fused.fuse(dynamic=True)
+def _ring_and_count(slot, pos, window: int, ratio: int):
+    """(flat ring row slot * W + pos % W, visible compressed rows (pos + 1) // r) of each row [B]."""
+    return slot * window + pos % window, (pos + 1) // max(ratio, 1)
+
+
 def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq, side=None) -> torch.Tensor:
     """Decode attention of B rows over pool-layout buffers (kv.* [S, ...]; row b at pool slot slot[b] and
     position pos[b]) through the kernels of ds4.kernels.compress / attend -> de-rotated o [B, H, D], before
     the output projection. Serves both the single state (S = 1, its buffers [None]) and the batched step."""
     R, eps, W, r, D = shape.n_rot, shape.rms_eps, shape.window, shape.ratio, shape.head_dim
-    qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)  # [B, Rq]
+    qn = _rms(lin(xn, w.q_a), w.q_a_norm, eps)  # [B, Rq]
     q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, D)), pos, inv_freq, eps)  # [B, H, D]
     row = fused.kv_post(lin(xn, w.kv), w.kv_norm, pos, inv_freq, eps, R)  # [B, D]
-    kv.raw.view(-1, D).index_copy_(0, slot * W + pos % W, row)
+    ring, count = _ring_and_count(slot, pos, W, r)  # [B] each
+    kv.raw.view(-1, D).index_copy_(0, ring, row)
     comp = top = None
     if r:
         cw, iw = w.compressor, w.indexer
@@ -221,7 +236,7 @@ def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq,
                 qb = hmatvec(qn, side.q_b) if side is not None and side.q_b is not None else lin(qn, iw.q_b)
                 qi = fused.indexer_q_post(qb.unflatten(-1, (n_heads, dim)), pos, inv_freq)  # [B, Hi, Di]
                 wts = (lin(xn, iw.proj) if parts[4] is None else parts[4]) * (dim**-0.5 * n_heads**-0.5)
-                score = attend_k.indexer_scores(qi, wts, kv.index, slot, (pos + 1) // r)  # [B, cap]
+                score = attend_k.indexer_scores(qi, wts, kv.index, slot, count)  # [B, cap]
                 top = _top_rows(score, shape.indexer_topk)  # [B, k]
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
 
