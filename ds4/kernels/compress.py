@@ -38,6 +38,7 @@ from . import ref
 from .fused import _round_e4m3
 
 EMPTY_SCORE = -1e30  # = ds4.model.state.EMPTY_SCORE: an empty frontier row's score (softmax weight 0)
+_EMPTY = tl.constexpr(EMPTY_SCORE)  # the same, readable inside the kernel
 FP8_BLOCK, FP4_BLOCK = 64, 32
 FP4_AMAX_FLOOR = 6.0 * torch.finfo(torch.float32).tiny
 TILE = 4096  # elements of one [rows, columns] tile (pooling: candidates x h; shift: frontier rows x c h)
@@ -95,22 +96,23 @@ def _hadamard_fp4_row(y, H: tl.constexpr, LOG2H: tl.constexpr, hscale, fp4_floor
 def _compress_decode_kernel(
     kvn_ptr, scn_ptr, ape_ptr, fk_ptr, fs_ptr, rows_ptr, slot_ptr, pos_ptr, norm_ptr, inv_ptr,
     cap, skv, ssc, eps, hscale, fp4_floor,
-    R: tl.constexpr, H: tl.constexpr, NROT: tl.constexpr, OVERLAP: tl.constexpr, INDEXER: tl.constexpr,
+    R: tl.constexpr, H: tl.constexpr, NROT: tl.constexpr, C: tl.constexpr, INDEXER: tl.constexpr,
     HAS_SLOT: tl.constexpr, LOG2H: tl.constexpr, CH: tl.constexpr, SH: tl.constexpr, BH: tl.constexpr,
     BW: tl.constexpr,
 ):  # fmt: skip
     """Program b: token b into frontier slot[b], the pooled row, the store of a finished window, the shift."""
     b = tl.program_id(0)
-    NC: tl.constexpr = 2 * R if OVERLAP else R  # candidates = frontier rows
-    W: tl.constexpr = 2 * H if OVERLAP else H  # frontier width
-    OFF: tl.constexpr = H if OVERLAP else 0  # column of the current window's candidate half
+    NC: tl.constexpr = C * R  # candidates = frontier rows
+    W: tl.constexpr = C * H  # frontier width
+    OFF: tl.constexpr = (C - 1) * H  # column of the current window's candidate half
+    CUR: tl.constexpr = (C - 1) * R  # first frontier row of the current window
     p = tl.load(pos_ptr + b).to(tl.int64)
     if HAS_SLOT:
         s = tl.load(slot_ptr + b).to(tl.int64)
     else:
         s = p * 0  # the single state's slot 0
     m = p % R
-    at = (R if OVERLAP else 0) + m  # frontier row of this token
+    at = CUR + m  # frontier row of this token
     done = m == R - 1
     front = s * (NC * W)
     col = tl.arange(0, BH)
@@ -170,8 +172,7 @@ def _compress_decode_kernel(
     )
     tl.store(fk_ptr + front + at * W + wc, kw, mask=wm & (m != R - 1))
     tl.store(fs_ptr + front + at * W + wc, sw, mask=wm & (m != R - 1))
-    E0: tl.constexpr = R if OVERLAP else 0  # first row to empty
-    if OVERLAP:  # previous window <- current window (its last row is this token)
+    if C == 2:  # previous window <- current window (its last row is this token)
         j = tl.arange(0, SH)
         for j0 in tl.static_range(0, R, SH):
             jj = j0 + j
@@ -187,10 +188,10 @@ def _compress_decode_kernel(
     j = tl.arange(0, SH)
     for j0 in tl.static_range(0, R, SH):
         jj = j0 + j
-        dst = front + (E0 + jj)[:, None] * W + wc[None, :]
+        dst = front + (CUR + jj)[:, None] * W + wc[None, :]
         msk = (jj < R)[:, None] & wm[None, :] & done
         tl.store(fk_ptr + dst, tl.zeros([SH, BW], tl.float32), mask=msk)
-        tl.store(fs_ptr + dst, tl.full([SH, BW], EMPTY_SCORE, tl.float32), mask=msk)
+        tl.store(fs_ptr + dst, tl.full([SH, BW], _EMPTY, tl.float32), mask=msk)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def compress_decode(
         kv_new, score_new, f32[0], fk, fs, rows, slot.contiguous() if slot is not None else pos,
         pos.contiguous(), f32[1], f32[2], cap, kv_new.stride(0), score_new.stride(0), float(eps),
         float(h**-0.5), FP4_AMAX_FLOOR,
-        R=r, H=h, NROT=n_rot, OVERLAP=c == 2, INDEXER=bool(indexer), HAS_SLOT=slot is not None,
+        R=r, H=h, NROT=n_rot, C=c, INDEXER=bool(indexer), HAS_SLOT=slot is not None,
         LOG2H=max(1, h.bit_length() - 1), CH=min(max(1, TILE // BH), triton.next_power_of_2(c * r)),
         SH=min(max(1, TILE // BW), triton.next_power_of_2(r)), BH=BH, BW=BW, num_warps=8 if h >= 512 else 4,
     )  # fmt: skip
