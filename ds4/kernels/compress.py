@@ -15,7 +15,9 @@ fk / fs / rows IN PLACE, row b touching only pool slot slot[b] (the model.md §6
      (c == 2: current window -> previous, current emptied; else emptied): kv 0, score EMPTY_SCORE.
 The torch version (ds4.model.cuda.layer._compress_step / batch._compress_step) is ~20-25 tiny kernels per
 call; here one program per row b does it all (graph-capturable: no host sync, no data-dependent shape).
-Padded rows of a batch may share a scratch slot; the slots of the other rows must be distinct.
+Padded rows of a batch may share a scratch slot; the slots of the other rows must be distinct. The frontier
+rows after a token's row must be empty (kv 0, score EMPTY_SCORE), as the model always keeps them: the
+kernel reads rows up to the token's only (at r = 128 about half the frontier on average).
 
 Exactness: the FP8/FP4 steps are exact given their inputs (power-of-two scales from the exponent bits,
 correctly rounded divisions, RNE by the 2^23 trick, the Hadamard as the same butterfly); the pooled sums,
@@ -122,14 +124,17 @@ def _compress_decode_kernel(
     sn = tl.load(scn_ptr + b * ssc + OFF + col, mask=cm, other=0.0)
     sn += tl.load(ape_ptr + m * W + OFF + col, mask=cm, other=0.0)
 
-    # softmax pooling over the candidates per column, online over chunks of CH candidates
+    # softmax pooling over the candidates per column, online over chunks of CH candidates. Only rows
+    # 0..at are read: the rows after this token's are empty (kv 0, score EMPTY_SCORE, softmax weight exactly
+    # 0) in every frontier the model keeps, and the CPU reference (compress_chunk) never reads them.
     mx = tl.full([BH], -1e38, tl.float32)  # below EMPTY_SCORE: finite, so masked columns never give NaN
     den = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH], tl.float32)
-    for j0 in tl.static_range(0, NC, CH):
+    n_read = (at + 1).to(tl.int32)
+    for j0 in range(0, n_read, CH):
         j = j0 + tl.arange(0, CH)
         off = front + j[:, None] * W + (j >= R).to(tl.int32)[:, None] * OFF + col[None, :]
-        msk = (j < NC)[:, None] & cm[None, :]
+        msk = (j < n_read)[:, None] & cm[None, :]
         sc = tl.load(fs_ptr + off, mask=msk, other=float("-inf"))
         kv = tl.load(fk_ptr + off, mask=msk, other=0.0)
         sc = tl.where(j[:, None] == at, sn[None, :], sc)
