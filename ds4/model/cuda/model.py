@@ -114,7 +114,7 @@ class CudaModel:
         head = SimpleNamespace(e=self.embd, o=self.output, n=self.output_norm, hc=self.head_hc)
         tensors = _tensors_of(head)
         for blk in self.layers:
-            tensors += _tensors_of(blk.w)
+            tensors += _tensors_of(blk.w) + (_tensors_of(blk.side) if blk.side is not None else [])
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
