@@ -24,8 +24,7 @@ import pytest
 import torch
 from _kernel_env import DEVICE
 
-from ds4.kernels import attend_prefill as ap
-from ds4.kernels.attend_prefill import attend_prefill, attend_prefill_ref
+from ds4.kernels.attend_prefill import PrefillConfig, attend_prefill, attend_prefill_ref
 from ds4.model.cuda.layer import _sink_attention_chunk
 
 POISON = 1e3  # value of the rows invalid entries point at
@@ -140,6 +139,7 @@ TINY = [
     (33, 8, 64, 8, 100, "garbage", 5),
     (1, 4, 64, 16, 77, "all", 0),
     (19, 6, 48, 16, 20, "topk", 20),
+    (11, 4, 128, 32, 50, "topk", 8),  # the tiny test model's attention shape
 ]
 
 
@@ -151,14 +151,12 @@ def test_attend_prefill_vs_oracle(T, H, D, W, p0, mode, k, dtype) -> None:
 
 
 @pytest.mark.parametrize("skip_empty", [False, True])
-def test_other_tilings(monkeypatch, skip_empty: bool) -> None:
+def test_other_tilings(skip_empty: bool) -> None:
     """Several head blocks (H 20 over BH 16), key blocks of 16, the masked-compute variant of empty blocks."""
-    monkeypatch.setattr(ap, "PREFILL_BH", 16)
-    monkeypatch.setattr(ap, "PREFILL_BN", 16)
-    monkeypatch.setattr(ap, "PREFILL_SKIP_EMPTY", skip_empty)
+    cfg = PrefillConfig(bh=16, bn=16, warps=4, stages=1, skip_empty=skip_empty)
     case = _case(12, 20, 32, 16, 9, "garbage", 24, seed=5)
     for dtype in (torch.float32, torch.bfloat16):
-        _check(_run(case, dtype), case, dtype)
+        _check(_run(case, dtype, lambda *a, **kw: attend_prefill(*a, **kw, cfg=cfg)), case, dtype)
 
 
 @pytest.mark.parametrize("T,H,D,W,p0,mode,k", TINY[:5])

@@ -24,20 +24,26 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 SCORE_BUDGET = 1 << 24  # elements of one query block's scores / gathered keys in the torch twin
-# Tiling (to be tuned on the H200 with tools/gpu/bench_attend_prefill.py): heads per program (>= 16, the
-# smallest dot), keys per inner block, warps, pipeline stages, and whether a block of compressed entries
-# that are all invalid is skipped (a branch in the loop) rather than computed masked.
-PREFILL_BH = 32
-PREFILL_BN = 32
-PREFILL_WARPS = 8
-PREFILL_STAGES = 2
-PREFILL_SKIP_EMPTY = True
+
+
+class PrefillConfig(NamedTuple):
+    """Tiling of the kernel (tune on the H200 with tools/gpu/bench_attend_prefill.py)."""
+
+    bh: int  # heads per program (>= 16, the smallest dot; fewer heads are masked)
+    bn: int  # keys per inner block
+    warps: int
+    stages: int  # software-pipeline stages of the key loops
+    skip_empty: bool  # skip a block of compressed entries that are all invalid (a branch in the loop)
+
+
+PREFILL_CFG = PrefillConfig(bh=32, bn=32, warps=8, stages=2, skip_empty=True)
 LOG2E = math.log2(math.e)
 
 
@@ -176,7 +182,7 @@ def _prefill_kernel(
     tl.store(out_ptr + (t * H + h)[:, None] * D + d[None, :], o, mask=hm[:, None] & dm[None, :])
 
 
-def _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype):
+def _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype, cfg):
     T, H, D = q.shape
     out = torch.empty(T, H, D, device=q.device, dtype=torch.float32)
     if T == 0:
@@ -190,14 +196,14 @@ def _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sink
         strides = (*comp_idx.stride(), *valid.stride())
     else:
         comp, comp_idx, valid, C, K, strides = raw, raw, raw, 0, 0, (0, 0, 0, 0)
-    BH = max(16, min(PREFILL_BH, triton.next_power_of_2(H)))
+    BH = max(16, min(cfg.bh, triton.next_power_of_2(H)))
     _prefill_kernel[(T * triton.cdiv(H, BH),)](
         q.contiguous(), raw, comp, comp_idx, valid, sinks.float().contiguous(), out,
         H, D, C, K, p0 - raw_p0, window, float(scale) * LOG2E, *strides,
-        HAS_COMP=has_comp, SKIP_EMPTY=PREFILL_SKIP_EMPTY, BH=BH, BN=PREFILL_BN,
+        HAS_COMP=has_comp, SKIP_EMPTY=cfg.skip_empty, BH=BH, BN=cfg.bn,
         BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if dtype == torch.float32 else "tf32",
         RTNE_BY_HAND=dtype == torch.bfloat16 and not q.is_cuda,
-        num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 
@@ -259,11 +265,13 @@ def attend_prefill(
     sinks: torch.Tensor,
     scale: float,
     dtype: torch.dtype | None = None,
+    cfg: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] at positions p0.. over raw [N, D] (positions raw_p0..) and comp [C, D] rows comp_idx [T, k]
     where comp_valid [T, k] (comp_idx None: no compressed rows), sinks [H] -> o [T, H, D] f32.
 
-    dtype: the products' precision (None: q's dtype); bf16 -> bf16 operands with f32 accumulation."""
+    dtype: the products' precision (None: q's dtype); bf16 -> bf16 operands with f32 accumulation.
+    cfg: the kernel's tiling (None: PREFILL_CFG)."""
     _check_args(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks)
     dtype = dtype or q.dtype
     _check(
@@ -271,8 +279,9 @@ def attend_prefill(
         f"attend_prefill: dtype must be float32 or bfloat16, got {dtype}",
     )
     if _use_triton(q):
-        return _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype)
+        args = (q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype)
+        return _prefill_triton(*args, cfg or PREFILL_CFG)
     return attend_prefill_ref(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype)
 
 
-__all__ = ["attend_prefill", "attend_prefill_ref"]
+__all__ = ["PREFILL_CFG", "PrefillConfig", "attend_prefill", "attend_prefill_ref"]
