@@ -55,18 +55,41 @@ TILES = [
     HalfConfig(bn=16, tk=128, mode="ieee", target=64),
     HalfConfig(bn=32, tk=128, mode="tf32x2", stages=1),
     HalfConfig(bn=16, tk=256, mode="tf32x3", target=1),
+    HalfConfig(bn=32, tk=64, mode="fma", target=10**6, fixup=True),  # split-K summed in the kernel
+    HalfConfig(bn=32, tk=128, mode="tf32x2", target=10**6, fixup=True),
 ]
 
 
-@pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"{c.mode}-bn{c.bn}-tk{c.tk}-t{c.target}")
-@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def tile_id(c: HalfConfig) -> str:
+    return f"{c.mode}-bn{c.bn}-tk{c.tk}-t{c.target}" + "-fixup" * c.fixup
+
+
+@pytest.mark.parametrize(
+    ("cfg", "dtype"),
+    [(c, HALF[i % 2]) for i, c in enumerate(TILES)],  # each tile once, the weight dtypes alternating
+    ids=lambda v: tile_id(v) if isinstance(v, HalfConfig) else str(v).removeprefix("torch."),
+)
 def test_hmatvec_tiles(cfg, dtype):
     # K = 320 = 5 x 64 (the tile falls back to 64); B = 1 (the flat "fma" path; dot tiles padded to 8 rows),
-    # 5, and 33: two row chunks in the dot modes, 9 in "fma"
+    # 5 (2 row chunks in "fma") and 33 (2 in the dot modes; 9 for "fma": 3 chunks, interpreter time)
     w = half_matrix(70, 320, dtype, seed=7)
-    for b in (1, 5, 33):
+    for b in (1, 5, 9 if cfg.mode == "fma" else 33):
         x = activations(b, 320, seed=200 + b)
         assert_close(matvec.hmatvec(x, w, cfg), x, w)
+
+
+def test_hmatvec_fixup_rearms_counters_and_is_deterministic():
+    # the in-kernel split-K sum: per-tile counters must be back at 0 after every call (else the next call's
+    # last program is misjudged) and the sum runs in split order (bitwise repeatable)
+    cfg = HalfConfig(bn=16, tk=64, mode="fma", target=10**6, fixup=True)
+    w = half_matrix(40, 256, torch.bfloat16, seed=9)  # 3 row tiles x 4 splits
+    x = activations(3, 256, seed=9)
+    first = matvec.hmatvec(x, w, cfg)
+    assert_close(first, x, w)
+    counters = matvec._HALF_COUNTERS[x.device]
+    assert counters.numel() >= 3 and not counters.any()
+    assert torch.equal(matvec.hmatvec(x, w, cfg), first)
+    assert not counters.any()
 
 
 def test_hmatvec_concatenated_side_matrices():
@@ -133,12 +156,29 @@ def test_hmatvec_flash_shapes_cuda(n, k, dtype):
         assert_close(matvec.hmatvec(x, w), x, w)
 
 
+CUDA_TILES = [
+    matvec.HMV_SMALL,
+    matvec.HMV_LARGE,
+    HalfConfig(bn=8, tk=512, mode="fma", stages=1, fixup=True),
+    HalfConfig(bn=4, tk=512, mode="fma", stages=3, target=1),
+    HalfConfig(bn=32, tk=128, mode="tf32x2", fixup=True),
+    HalfConfig(bn=64, tk=128, mode="tf32x2", fixup=True),  # wgmma at B = 32
+    HalfConfig(bn=16, tk=128, mode="ieee"),
+    HalfConfig(bn=32, tk=128, mode="tf32x3"),
+]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["fma", "ieee", "tf32x2", "tf32x3"])
-def test_hmatvec_modes_flash_cuda(mode):
+@pytest.mark.parametrize("cfg", CUDA_TILES, ids=tile_id)
+@pytest.mark.parametrize(("n", "k"), [(2624, 4096), (256, 4096)], ids=["attn", "router"])
+def test_hmatvec_tiles_flash_cuda(cfg, n, k):
+    # accuracy, and bitwise repeatability over 20 calls: split-K sums run in a fixed order (a race in the
+    # in-kernel fixup would show as a changed or wrong result)
     assert CUDA
-    w = half_matrix(2624, 4096, torch.float16, seed=11)
-    cfg = HalfConfig(bn=8 if mode == "fma" else 32, tk=512 if mode == "fma" else 128, mode=mode)
+    w = half_matrix(n, k, torch.float16, seed=11)
     for b in (1, 8, 32):
-        x = activations(b, 4096, seed=b)
-        assert_close(matvec.hmatvec(x, w, cfg), x, w)
+        x = activations(b, k, seed=b)
+        first = matvec.hmatvec(x, w, cfg)
+        assert_close(first, x, w)
+        for _ in range(20):
+            assert torch.equal(matvec.hmatvec(x, w, cfg), first)

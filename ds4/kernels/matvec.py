@@ -463,13 +463,17 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 #   mode "fma"   : CUDA-core FMAs, per-lane partial sums [BB, BN, TK] ([BN, TK] at B = 1) reduced once after
 #                  the k loop; exact f32 products. BB <= 4 rows per program (more would spill registers: a
 #                  larger B re-reads W, from L2 since the row chunks of a weight tile are adjacent programs).
-#   mode "ieee"  : tl.dot(x, W^T) with input_precision="ieee" (f32 FMAs, Triton's dot layout), BB = 8|16|32.
+#   mode "ieee"  : tl.dot(W, x^T) with input_precision="ieee" (f32 FMAs, Triton's dot layout), BB = 8|16|32.
 #   mode "tf32x2": two tf32 tensor-core dots: W (f16 / bf16) is exact in tf32, x = hi + lo where hi keeps
 #                  x's top 10 mantissa bits (exact in tf32) and lo = x - hi (exact in f32, rounded to tf32
 #                  by the mma): products off by <= ~2^-21 relative, near f32 summation noise.
 #   mode "tf32x3": Triton's built-in 3-pass tf32 (one pass wasted, W has no low part); for comparison.
 # Split-K partials go to a [S, B, N] buffer summed in fixed order (deterministic) when N / BN alone gives
-# too few programs. Constraint: K % HALF_K_ALIGN == 0 (the smallest k-tile; no masks in the k loop).
+# too few programs: by torch after the kernel, or (HalfConfig.fixup) inside it: each program stores its
+# partial, bumps its tile's counter, and the last of the S sums the S partials in split order and re-arms
+# the counter (per-device int32 counters, zero between calls; calls on one device must be stream-ordered).
+# That saves the second launch (~2 us a call, ~100 calls a step). Constraint: K % HALF_K_ALIGN == 0 (the
+# smallest k-tile; no masks in the k loop).
 # Legend: B activation rows, N output rows, K row length, BB/BN rows per program, TK elements per k-tile.
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -483,7 +487,8 @@ HALF_FMA_MAX_BB = 4  # rows of x per program in mode "fma" (acc registers grow w
 class HalfConfig:
     """Tile of hmatvec: BN weight rows per program, TK elements per k-tile (an upper bound: the largest power
     of two <= tk dividing K is used; in mode "fma" tk is divided by BB to keep the per-lane sums in
-    registers), warps, pipeline stages of the k loop, programs split-K aims for, and the inner product."""
+    registers), warps, pipeline stages of the k loop, programs split-K aims for, the inner product, and
+    whether the split-K sum runs in the kernel (fixup) instead of a torch sum after it."""
 
     bn: int = 8
     tk: int = 512
@@ -491,6 +496,7 @@ class HalfConfig:
     stages: int = 2
     target: int = 1056
     mode: str = "fma"
+    fixup: bool = False
 
 
 # Defaults, NOT yet timed on a GPU: the lead tunes them with tools/gpu/bench_side.py (cold-L2 GB/s at Flash
@@ -504,10 +510,28 @@ HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="tf32
 
 
 @triton.jit
+def _split_fixup(part_ptr, sum_ptr, cnt_ptr, off, mask, B, N, BB: tl.constexpr, BN: tl.constexpr):
+    """After a program stored its partial [BB, BN] at part_ptr[split] + off: the last of the tile's splits
+    (counter cnt_ptr) writes the sum of all partials, in split order (deterministic), to sum_ptr + off."""
+    n_split = tl.num_programs(2)
+    tl.debug_barrier()  # all threads' partial stores precede the release below
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")  # gpu scope: publishes this partial, sees the others
+    if done == n_split - 1:
+        total = tl.zeros([BB, BN], dtype=tl.float32)
+        for s in range(n_split):
+            part = part_ptr + (s * B).to(tl.int64) * N + off
+            total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")  # L2: other SMs' stores
+        tl.store(sum_ptr + off, total, mask=mask)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")  # re-armed for the next call (kernel boundaries order it)
+
+
+@triton.jit
 def _hmv_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    sum_ptr,
+    cnt_ptr,
     B,
     N,
     K,
@@ -517,6 +541,7 @@ def _hmv_kernel(
     TK: tl.constexpr,
     MODE: tl.constexpr,
     STAGES: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
     pid_b = tl.program_id(0)  # fastest: the row chunks of one weight tile run together (L2 re-reads)
     pid_n = tl.program_id(1)
@@ -558,8 +583,27 @@ def _hmv_kernel(
         y = tl.sum(acc, axis=2)
     else:
         y = tl.trans(acc)
-    out = out_ptr + pid_s.to(tl.int64) * B * N + b[:, None].to(tl.int64) * N + n[None, :]
-    tl.store(out, y, mask=bmask[:, None] & (n < N)[None, :])
+    off = b[:, None].to(tl.int64) * N + n[None, :]
+    mask = bmask[:, None] & (n < N)[None, :]
+    tl.store(out_ptr + pid_s.to(tl.int64) * B * N + off, y, mask=mask)
+    if FIXUP:
+        tile_cnt = cnt_ptr + pid_n * tl.num_programs(0) + pid_b
+        _split_fixup(out_ptr, sum_ptr, tile_cnt, off, mask, B, N, BB, BN)
+
+
+_HALF_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed int32 tile counters (>= tiles), or None while a CUDA graph is being captured
+    and they would have to be allocated (memory allocated in a capture belongs to that graph)."""
+    cnt = _HALF_COUNTERS.get(device)
+    if cnt is None or cnt.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _HALF_COUNTERS[device] = cnt
+    return cnt
 
 
 def _check_half(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -629,10 +673,14 @@ def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> 
     splits = triton.cdiv(n_kt, per)
     out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(B, bb), triton.cdiv(N, cfg.bn), splits)
+    cnt = _split_counters(x.device, grid[0] * grid[1]) if cfg.fixup and splits > 1 else None
+    total = torch.empty(B, N, dtype=torch.float32, device=x.device) if cnt is not None else out
     _hmv_kernel[grid](
-        x, w, out, B, N, K, per,
-        BB=bb, BN=cfg.bn, TK=tk, MODE=mode, STAGES=cfg.stages, num_warps=cfg.warps,
+        x, w, out, total, out if cnt is None else cnt, B, N, K, per,
+        BB=bb, BN=cfg.bn, TK=tk, MODE=mode, STAGES=cfg.stages, FIXUP=cnt is not None, num_warps=cfg.warps,
     )  # fmt: skip
+    if cnt is not None:
+        return total
     return out[0] if splits == 1 else out.sum(0)
 
 

@@ -43,35 +43,38 @@ SHAPES = [
     ("idx q_b", FLASH.indexer_heads * FLASH.indexer_dim, FLASH.q_lora_rank, _R4),
 ]
 BATCHES = (1, 8, 32)
+# (bn, tk, warps, stages, target, fixup); target 1: no split-K (full rows per program, many small programs)
 FMA = [
-    HalfConfig(bn, tk, warps, stages, target, "fma")
-    for bn, tk, warps, stages, target in (
-        (8, 512, 4, 1, 1056),
-        (8, 512, 4, 1, 2112),
-        (8, 512, 4, 2, 1056),
-        (8, 1024, 4, 1, 1056),
-        (8, 1024, 8, 1, 1056),
-        (4, 512, 4, 1, 1056),
-        (16, 256, 4, 1, 1056),
-        (16, 512, 8, 1, 1056),
-        (8, 256, 4, 1, 528),
+    HalfConfig(bn, tk, warps, stages, target, "fma", fixup)
+    for bn, tk, warps, stages, target, fixup in (
+        (8, 512, 4, 1, 1056, False),
+        (8, 512, 4, 1, 1056, True),
+        (8, 512, 4, 1, 2112, True),
+        (8, 512, 4, 2, 1056, True),
+        (8, 1024, 8, 1, 1056, True),
+        (4, 512, 4, 1, 1056, True),
+        (16, 256, 4, 1, 1056, False),
+        (8, 256, 4, 1, 528, False),
+        (2, 512, 4, 3, 1, False),
+        (4, 512, 4, 3, 1, False),
+        (8, 512, 4, 3, 1, False),
     )
 ]
 DOT = [
-    HalfConfig(bn, tk, warps, stages, target, mode)
-    for mode, bn, tk, warps, stages, target in (
-        ("tf32x2", 32, 128, 4, 2, 1056),
-        ("tf32x2", 32, 128, 4, 3, 1056),
-        ("tf32x2", 16, 128, 4, 2, 1056),
-        ("tf32x2", 64, 128, 4, 2, 1056),
-        ("tf32x2", 64, 64, 4, 3, 1056),
-        ("tf32x2", 32, 256, 8, 2, 528),
-        ("ieee", 16, 128, 4, 2, 1056),
-        ("ieee", 32, 64, 4, 2, 1056),
-        ("tf32x3", 32, 128, 4, 2, 1056),
+    HalfConfig(bn, tk, warps, stages, target, mode, fixup)
+    for mode, bn, tk, warps, stages, target, fixup in (
+        ("tf32x2", 32, 128, 4, 2, 1056, False),
+        ("tf32x2", 32, 128, 4, 2, 1056, True),
+        ("tf32x2", 32, 128, 4, 3, 1056, True),
+        ("tf32x2", 16, 128, 4, 2, 1056, True),
+        ("tf32x2", 64, 128, 4, 2, 1056, True),
+        ("tf32x2", 64, 64, 4, 3, 1056, True),
+        ("tf32x2", 32, 128, 4, 3, 1, False),
+        ("ieee", 16, 128, 4, 2, 1056, True),
+        ("tf32x3", 32, 128, 4, 2, 1056, True),
     )
 ]
-QUICK = [matvec.HMV_SMALL, matvec.HMV_LARGE, FMA[3], DOT[3]]
+QUICK = [matvec.HMV_SMALL, matvec.HMV_LARGE, FMA[1], FMA[9], DOT[1], DOT[6]]
 TOL = 1e-5
 
 
@@ -83,7 +86,7 @@ def configs_for(b: int, quick: bool) -> list[HalfConfig]:
 
 
 def label(c: HalfConfig) -> str:
-    return f"{c.mode:6s} bn{c.bn:<3d} tk{c.tk:<5d} w{c.warps} s{c.stages} t{c.target}"
+    return f"{c.mode:6s} bn{c.bn:<3d} tk{c.tk:<5d} w{c.warps} s{c.stages} t{c.target:<5d}{' fixup' * c.fixup}"
 
 
 def bench(fn) -> float:
@@ -141,8 +144,17 @@ def run(batches: tuple[int, ...], quick: bool) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # --compile-only: no GPU needed
 
-_SIG = {"x_ptr": "*fp32", "w_ptr": "*fp16", "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32"}
-_LOOP_OPS = ("LDG", "LDGSTS", "HMMA", "HGMMA", "FFMA", "LDS", "LDSM", "BAR", "STL", "LDL")
+_SIG = {
+    "x_ptr": "*fp32",
+    "w_ptr": "*fp16",
+    "out_ptr": "*fp32",
+    "sum_ptr": "*fp32",
+    "cnt_ptr": "*i32",
+    "B": "i32",
+    "N": "i32",
+    "K": "i32",
+}
+_LOOP_OPS = ("LDG", "LDGSTS", "HMMA", "HGMMA", "FFMA", "LDS", "LDSM", "BAR", "STL", "LDL", "ATOMG", "RED")
 
 
 def _build(b: int, k: int, cfg: HalfConfig):
@@ -152,7 +164,7 @@ def _build(b: int, k: int, cfg: HalfConfig):
 
     fn = matvec._hmv_kernel
     bb, tk, mode = matvec.half_tiles(b, k, cfg)
-    consts = {"BB": bb, "BN": cfg.bn, "TK": tk, "MODE": mode, "STAGES": cfg.stages}
+    consts = {"BB": bb, "BN": cfg.bn, "TK": tk, "MODE": mode, "STAGES": cfg.stages, "FIXUP": cfg.fixup}
     sig = {name: _SIG.get(name, "i32") if name not in consts else "constexpr" for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _SIG}
     src = ASTSource(fn, signature=sig, constexprs=consts, attrs=aligned)
@@ -160,7 +172,7 @@ def _build(b: int, k: int, cfg: HalfConfig):
 
 
 def _sass_summary(cubin: bytes) -> str:
-    """Registers, spill stack and the op mix of the innermost loop (shortest backward branch)."""
+    """Registers, spill stack and the op mix of the k loop (the longest loop without an inner loop)."""
     import re
     import subprocess
     import tempfile
@@ -185,7 +197,10 @@ def _sass_summary(cubin: bytes) -> str:
     ]
     mix = ""
     if back:
-        lo, hi = min(back, key=lambda r: r[1] - r[0])
+        inner = [
+            (lo, hi) for lo, hi in back if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in back)
+        ]
+        lo, hi = max(inner, key=lambda r: r[1] - r[0])  # the k loop: the longest innermost loop
         ops = [op for a, op, _ in ins if lo <= a <= hi]
         mix = " ".join(f"{o} {ops.count(o)}" for o in _LOOP_OPS if ops.count(o))
     return f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} | loop: {mix}"
