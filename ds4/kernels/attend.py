@@ -38,9 +38,9 @@ ATTEND_WARPS = 8
 INDEX_BC = 64
 INDEX_BCI = 16
 INDEX_WARPS = 8
-# Precision of the in-kernel dots: "ieee" (exact f32 products, FMA). "tf32x3" (tensor cores, about f32
-# accurate) is the option to time if the FMA dots turn out to bound large batches; env DS4_ATTEND_DOT.
-DOT_PRECISION = os.environ.get("DS4_ATTEND_DOT", "ieee")
+# Precision of the in-kernel dots: "ieee" (exact f32 products, FMA on sm_90). "tf32x3" (tensor cores, about
+# f32 accurate) compiles but spills kilobytes per thread at these tiles: it would need its own tiling.
+DOT_PRECISION = "ieee"
 
 # =========================================================================================================
 # Torch twins: the CPU path and the tests' oracles. They build exactly what attention_decode_batch built
