@@ -86,6 +86,12 @@ def test_dequant_experts_errors():
 # moe_grouped / moe_grouped_pair on the "dequant" path
 
 
+def test_group_tiles():
+    offsets = torch.tensor([0, 5, 5, 21, 22, 40], dtype=torch.int32, device=DEVICE)  # tiles of 8: 1 0 2 1 3
+    assert matmul.group_tiles(offsets, 8, 2).tolist() == [0, 1, 4, 7]
+    assert matmul.group_tiles(offsets, 8, 5).tolist() == [0, 7]
+
+
 def oracle(x: torch.Tensor, dense: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows offsets[e] .. offsets[e+1] of x times dense[e]^T in f32 (other rows 0)."""
     bounds = offsets.tolist()
@@ -131,9 +137,11 @@ def test_moe_grouped_rows_outside_offsets_are_zero(dequant_path):
     assert empty.shape == (0, 32)
 
 
-@pytest.mark.parametrize("path", ["dequant", "fused"])
+@pytest.mark.parametrize("path", ["dequant", "dequant-loop", "fused"])
 def test_moe_grouped_pair(path, dequant_path, monkeypatch):
-    monkeypatch.setattr(matmul, "PREFILL_MOE", path)
+    monkeypatch.setattr(matmul, "PREFILL_MOE", path.split("-")[0])
+    if path == "dequant-loop":  # waves 0: one program per column strides over the group's tiles (2, then 1)
+        monkeypatch.setattr(matmul, "GROUPED_DENSE", matmul.DenseConfig(32, 32, 64, 4, 1, loop=True, waves=0))
     monkeypatch.setattr(matmul, "DEQUANT_BYTES", 3 * 80 * 256 * 2)  # groups of 3 experts: (3, 1)
     E, K, M = 4, 256, 50
     wg, _ = stack(GGMLType.IQ2_XXS, (E, 48, K), 11)
@@ -144,7 +152,7 @@ def test_moe_grouped_pair(path, dequant_path, monkeypatch):
     assert g.shape == (M, 48) and u.shape == (M, 32)
     assert rel_err(g, ref.moe_grouped(x, wg, offsets)) < BF16_TOL
     assert rel_err(u, ref.moe_grouped(x, wu, offsets)) < BF16_TOL
-    if path == "dequant" or CUDA:
+    if path != "fused" or CUDA:
         assert rel_err(g, bf16_oracle(x, wg, offsets)) < SAME_TOL
         assert rel_err(u, bf16_oracle(x, wu, offsets)) < SAME_TOL
 

@@ -23,6 +23,7 @@ Legend: M rows, N output rows, K row length, E experts, BM/BN program tile, TK e
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -208,6 +209,8 @@ class DenseConfig:
     bk: int = 64
     warps: int = 8
     stages: int = 3
+    loop: bool = False  # programs stride over the M-tiles (waves per SM of them) instead of one tile each
+    waves: int = 4
 
 
 # Untimed default (a common Hopper bf16 tile); tools/gpu/bench_prefill_moe.py times the alternatives.
@@ -360,41 +363,19 @@ def _deq_tile_k(w: PackedWeight, grp: int) -> int:
 
 
 @triton.jit
-def _grouped_dense_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    tile_e,
-    tile_r0,
-    offsets,
-    e_lo,
-    e_hi,
-    N,
-    K,
-    stride_x,
-    stride_we,
-    stride_o,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    """out[rows of tile, n] = x[rows] @ Wd[e - e_lo]^T for the tiles of experts e_lo <= e < e_hi; Wd the
-    dense bf16 scratch [e_hi - e_lo, N, K] (row stride K, expert stride stride_we)."""
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    e = tl.load(tile_e + pid_t)
-    if (e < e_lo) | (e >= e_hi):  # another group's tile, or past the last used tile (-1)
-        return
-    r0 = tl.load(tile_r0 + pid_t)
+def _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n, N, K, stride_x, stride_we,
+                stride_o, BM: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """out[rows of M-tile t, n] = x[rows] @ Wd[e - e_lo, n]^T (f32 accumulation), n [BN] output columns."""
+    e = tl.load(tile_e + t)
+    r0 = tl.load(tile_r0 + t)
     r_end = tl.load(offsets + e + 1)
     rows = r0 + tl.arange(0, BM)
     rmask = rows < r_end
-    n = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     xp = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]  # [BM, BK]
-    wbase = w_ptr + (e - e_lo).to(tl.int64) * stride_we
-    wp = wbase + tl.minimum(n, N - 1)[None, :].to(tl.int64) * K + kk[:, None]  # [BK, BN]: W^T tile
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    wrow = (e - e_lo).to(tl.int64) * stride_we + tl.minimum(n, N - 1).to(tl.int64) * K
+    wp = w_ptr + wrow[None, :] + kk[:, None]  # [BK, BN]: the W^T tile
+    acc = tl.zeros([BM, n.shape[0]], dtype=tl.float32)
     for _ in range(0, K // BK):
         a = tl.load(xp, mask=rmask[:, None], other=0.0)
         b = tl.load(wp)
@@ -403,6 +384,61 @@ def _grouped_dense_kernel(
         wp += BK
     out = out_ptr + rows[:, None].to(tl.int64) * stride_o + n[None, :]
     tl.store(out, acc, mask=rmask[:, None] & (n < N)[None, :])
+
+
+@triton.jit
+def _grouped_dense_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    tile_e,
+    tile_r0,
+    offsets,
+    group_tiles,
+    g,
+    e_lo,
+    N,
+    K,
+    stride_x,
+    stride_we,
+    stride_o,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    LOOP: tl.constexpr,
+):
+    """out[rows, :] = x[rows] @ Wd[e - e_lo]^T for the M-tiles group_tiles[g] .. group_tiles[g+1] of the tile
+    table (the experts of group g, from e_lo); Wd the dense bf16 scratch [n, N, K] (row stride K, expert
+    stride stride_we). Axis 1 counts from the group's first tile: one tile per program, the programs past the
+    group's last tile exit at once (the grid is a static bound: no host sync); LOOP: fewer programs stride
+    over the group's tiles (no idle programs, but more registers: 152 vs 104 at 128 x 128 x 64, 8 warps)."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    t_lo = tl.load(group_tiles + g)
+    t_hi = tl.load(group_tiles + g + 1)
+    if LOOP:
+        for t in range(t_lo + tl.program_id(1), t_hi, tl.num_programs(1)):
+            _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n, N, K, stride_x,
+                        stride_we, stride_o, BM, BK)  # fmt: skip
+    else:
+        t = t_lo + tl.program_id(1)
+        if t < t_hi:
+            _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n, N, K, stride_x,
+                        stride_we, stride_o, BM, BK)  # fmt: skip
+
+
+def group_tiles(offsets: torch.Tensor, bm: int, per: int) -> torch.Tensor:
+    """int32 [G+1]: the first tile_table index of each group of `per` experts, then the end (device ops)."""
+    off = offsets.long()
+    tiles = (off[1:] - off[:-1] + bm - 1) // bm  # [E]
+    ends = torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)])  # [E+1]
+    n_exp = tiles.numel()
+    edges = torch.tensor([*range(0, n_exp, per), n_exp], device=offsets.device)
+    return ends[edges].int()
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _scratch(device: torch.device, numel: int) -> torch.Tensor:
@@ -437,7 +473,7 @@ def _grouped_dense(x: torch.Tensor, ws: list[PackedWeight], offsets: torch.Tenso
     cols = [out[:, c - n : c] for n, c in zip(widths, _cumsum(widths), strict=True)]
     if M == 0 or nt == 0:
         return cols
-    cfg = GROUPED_DENSE
+    cfg = GROUPED_DENSE  # read at each call: tests and the bench swap it
     if K % cfg.bk:
         raise ValueError(f"moe_grouped: row length {K} must be a multiple of {cfg.bk} (GROUPED_DENSE.bk)")
     per = scratch_experts(n_exp, nt, K)
@@ -445,14 +481,18 @@ def _grouped_dense(x: torch.Tensor, ws: list[PackedWeight], offsets: torch.Tenso
     offsets = offsets.to(torch.int32)
     ids = torch.arange(n_exp, dtype=torch.int32, device=x.device)
     tile_e, tile_r0 = tile_table(offsets, M, cfg.bm)
-    grid = (triton.cdiv(nt, cfg.bn), tile_e.numel())
-    for e0 in range(0, n_exp, per):
+    bounds = group_tiles(offsets, cfg.bm, per)
+    n_col = triton.cdiv(nt, cfg.bn)
+    n_prog = tile_e.numel()  # static bound of a group's tiles
+    if cfg.loop:
+        n_prog = max(1, min(n_prog, triton.cdiv(cfg.waves * _sm_count(x.device), n_col)))
+    for g, e0 in enumerate(range(0, n_exp, per)):
         n = min(per, n_exp - e0)
         for w, c in zip(ws, _cumsum(widths), strict=True):
             dequant_experts(w, ids[e0 : e0 + n], buf[:n, c - w.N : c], offsets)
-        _grouped_dense_kernel[grid](
-            x, buf, out, tile_e, tile_r0, offsets, e0, e0 + n, nt, K, x.stride(0), nt * K, nt,
-            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
+        _grouped_dense_kernel[(n_col, n_prog)](
+            x, buf, out, tile_e, tile_r0, offsets, bounds, g, e0, nt, K, x.stride(0), nt * K, nt,
+            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, LOOP=cfg.loop, num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
     return cols
 
@@ -471,6 +511,7 @@ __all__ = [
     "PREFILL_MOE",
     "DenseConfig",
     "dequant_experts",
+    "group_tiles",
     "moe_grouped",
     "moe_grouped_pair",
     "qmatmul",

@@ -48,6 +48,8 @@ if DRY:  # tiny (row lengths stay multiples of 256 for the K-quants); the interp
 CLAMP = 10.0
 DENSE_SWEEP = [
     matmul.DenseConfig(128, 128, 64, 8, 3),
+    matmul.DenseConfig(128, 128, 64, 8, 3, loop=True, waves=2),
+    matmul.DenseConfig(128, 128, 64, 8, 3, loop=True, waves=4),
     matmul.DenseConfig(128, 128, 64, 4, 3),
     matmul.DenseConfig(128, 128, 64, 8, 4),
     matmul.DenseConfig(64, 128, 64, 4, 4),
@@ -192,10 +194,14 @@ def dense_only(x: torch.Tensor, scratch: torch.Tensor, offsets: torch.Tensor, cf
     m = x.shape[0]
     out = torch.empty(m, nt, dtype=torch.float32, device=x.device)
     tile_e, tile_r0 = matmul.tile_table(offsets, m, cfg.bm)
-    grid = (triton.cdiv(nt, cfg.bn), tile_e.numel())
-    matmul._grouped_dense_kernel[grid](
-        x, scratch, out, tile_e, tile_r0, offsets, 0, n, nt, k, x.stride(0), nt * k, nt,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
+    bounds = matmul.group_tiles(offsets, cfg.bm, n)  # one group: all n experts
+    n_col = triton.cdiv(nt, cfg.bn)
+    n_prog = tile_e.numel()
+    if cfg.loop:
+        n_prog = max(1, min(n_prog, triton.cdiv(cfg.waves * matmul._sm_count(x.device), n_col)))
+    matmul._grouped_dense_kernel[(n_col, n_prog)](
+        x, scratch, out, tile_e, tile_r0, offsets, bounds, 0, 0, nt, k, x.stride(0), nt * k, nt,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, LOOP=cfg.loop, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 
@@ -273,8 +279,9 @@ def compile_only() -> None:
         "tile_e": "*i32",
         "tile_r0": "*i32",
         "offsets": "*i32",
+        "group_tiles": "*i32",
+        "g": "i32",
         "e_lo": "i32",
-        "e_hi": "i32",
         "N": "i32",
         "K": "i32",
         "stride_x": "i32",
@@ -282,7 +289,7 @@ def compile_only() -> None:
         "stride_o": "i32",
     }
     for cfg in DENSE_SWEEP:
-        consts = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk}
+        consts = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "LOOP": cfg.loop}
         try:
             k = _compile(matmul._grouped_dense_kernel, gemm_sig, consts, cfg.warps, cfg.stages)
         except Exception as exc:  # noqa: BLE001
