@@ -432,7 +432,8 @@ def group_tiles(offsets: torch.Tensor, bm: int, per: int) -> torch.Tensor:
     tiles = (off[1:] - off[:-1] + bm - 1) // bm  # [E]
     ends = torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)])  # [E+1]
     n_exp = tiles.numel()
-    edges = torch.tensor([*range(0, n_exp, per), n_exp], device=offsets.device)
+    n_groups = -(-n_exp // per)
+    edges = (torch.arange(n_groups + 1, device=offsets.device) * per).clamp_(max=n_exp)  # (no host copy)
     return ends[edges].int()
 
 
