@@ -157,7 +157,7 @@ def test_moe_grouped_pair(path, dequant_path, monkeypatch):
         assert rel_err(u, bf16_oracle(x, wu, offsets)) < SAME_TOL
 
 
-def test_moe_grouped_pair_errors(dequant_path):
+def test_moe_grouped_pair_errors(dequant_path, monkeypatch):
     wg, _ = stack(GGMLType.IQ2_XXS, (4, 48, 256), 14)
     wd, _ = stack(GGMLType.Q2_K, (4, 256, 256), 15)
     wk, _ = stack(GGMLType.Q2_K, (3, 48, 256), 16)
@@ -169,6 +169,9 @@ def test_moe_grouped_pair_errors(dequant_path):
         matmul.moe_grouped_pair(x, wg, wd, offsets[:4])
     with pytest.raises(ValueError, match="x must be"):
         matmul.moe_grouped(x[:, :128], wg, offsets)
+    monkeypatch.setattr(matmul, "PREFILL_MOE", "dequantize")
+    with pytest.raises(ValueError, match="must be dequant or fused"):
+        matmul.moe_grouped(x, wg, offsets)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -156,6 +156,10 @@ def moe_grouped_pair(
 
 def _check_grouped(x_sorted: torch.Tensor, ws: list[PackedWeight], offsets: torch.Tensor, what: str):
     """Validated activations (contiguous f32 | bf16) for the grouped GEMMs; one clear error otherwise."""
+    if PREFILL_MOE not in ("dequant", "fused"):
+        raise ValueError(
+            f"{what}: PREFILL_MOE (env DS4_PREFILL_MOE) must be dequant or fused, got {PREFILL_MOE!r}"
+        )
     for w in ws:
         check_weight(w, 3, what, x_sorted.device)
     w0 = ws[0]
