@@ -31,6 +31,7 @@ from ds4.model.cuda.layer import (
     pool_kernels,
     qmatvec_grouped,
     route_decode,
+    shared_gate_up,
 )
 from ds4.model.cuda.state import DeviceLayerKV
 from ds4.model.cuda.weights import Packed, QLinear
@@ -238,5 +239,5 @@ def decode_layer_batch(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, tokens,
         m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     y = _routed(xf, ids, weights, m, clamp)
-    y = y + lin(swiglu_mid(lin(xf, m.gate_sh), lin(xf, m.up_sh), clamp), m.down_sh)
+    y = y + lin(swiglu_mid(*shared_gate_up(xf, m, side), clamp), m.down_sh)
     return fused.hc_post(y, X, post, comb)

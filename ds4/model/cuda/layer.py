@@ -175,6 +175,10 @@ class SideMatrices:
     xn_split: tuple[int, ...]  # row counts of those parts
     router: torch.Tensor | None  # [E, d] ffn_gate_inp
     q_b: torch.Tensor | None  # [Hi Di, Rq] indexer q_b
+    # Packed (QLinear) matrices of one input merged into one PackedWeight: one qmatvec instead of two. The
+    # layer's QLinears read row views of it (no extra memory); None where the formats differ.
+    qa_kv: object = None  # [Rq + D, d] attention q_a and kv
+    shared_gu: object = None  # [2 F, d] shared-expert gate and up
 
 
 def pool_kernels() -> bool:
@@ -209,9 +213,13 @@ def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq,
     position pos[b]) through the kernels of ds4.kernels.compress / attend -> de-rotated o [B, H, D], before
     the output projection. Serves both the single state (S = 1, its buffers [None]) and the batched step."""
     R, eps, W, r, D = shape.n_rot, shape.rms_eps, shape.window, shape.ratio, shape.head_dim
-    qn = _rms(lin(xn, w.q_a), w.q_a_norm, eps)  # [B, Rq]
+    if side is not None and side.qa_kv is not None and xn.shape[0] <= DECODE_ROWS:
+        qa, kv_raw = qmatvec(xn, side.qa_kv).split([w.q_a_norm.numel(), D], dim=1)
+    else:
+        qa, kv_raw = lin(xn, w.q_a), lin(xn, w.kv)
+    qn = _rms(qa, w.q_a_norm, eps)  # [B, Rq]
     q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, D)), pos, inv_freq, eps)  # [B, H, D]
-    row = fused.kv_post(lin(xn, w.kv), w.kv_norm, pos, inv_freq, eps, R)  # [B, D]
+    row = fused.kv_post(kv_raw, w.kv_norm, pos, inv_freq, eps, R)  # [B, D]
     ring, count = _ring_and_count(slot, pos, W, r)  # [B] each
     kv.raw.view(-1, D).index_copy_(0, ring, row)
     comp = top = None
@@ -324,8 +332,17 @@ def decode_layer(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, token, pos, d
         m, xf, token, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     y = routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
-    y = y + lin(fused.swiglu_mid(lin(xf, m.gate_sh), lin(xf, m.up_sh), clamp), m.down_sh)
+    y = y + lin(fused.swiglu_mid(*shared_gate_up(xf, m, side), clamp), m.down_sh)
     return fused.hc_post(y, X, post, comb)
+
+
+def shared_gate_up(xf, m, side: SideMatrices | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) projections [B, F] of the shared expert: one qmatvec over the merged rows when the layer
+    has them (decode-sized B), else one matvec / GEMM each."""
+    if side is not None and side.shared_gu is not None and xf.shape[0] <= DECODE_ROWS:
+        g, u = qmatvec(xf, side.shared_gu).chunk(2, dim=1)
+        return g, u
+    return lin(xf, m.gate_sh), lin(xf, m.up_sh)
 
 
 # ---------------------------------------------------------------------------------------------

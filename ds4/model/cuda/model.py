@@ -40,6 +40,9 @@ BATCH1_SINGLE = os.environ.get("DS4_BATCH1_SINGLE", "1") != "0"
 # hmatvec per input, instead of f32 GEMVs per matrix (they are F16 in the file: the copies are exact). On CUDA
 # by default (env DS4_SIDE_HALF=0: off); CudaModel(side_half=...) overrides. Prefill keeps the f32 matrices.
 SIDE_HALF = os.environ.get("DS4_SIDE_HALF", "1") != "0"
+# Decode reads q_a + kv (both fed by xn) and the shared expert's gate + up (both fed by xf) as one packed
+# matrix each (one qmatvec instead of two; the QLinears become row views of it). Env DS4_MERGE_PACKED=0: off.
+MERGE_PACKED = os.environ.get("DS4_MERGE_PACKED", "1") != "0"
 
 
 class CudaModel:
@@ -81,8 +84,9 @@ class CudaModel:
             self.layers.append(blk)
         if side_half is None:
             side_half = SIDE_HALF and self.device.type == "cuda"
-        for blk in self.layers:  # SideMatrices: half copies of the small decode matrices, or None
-            blk.side = side_matrices(blk.w) if side_half and hmatvec is not None else None
+        side_half = side_half and hmatvec is not None
+        for blk in self.layers:  # SideMatrices: half copies / merged packed decode matrices, or None
+            blk.side = side_matrices(blk.w, side_half, MERGE_PACKED and kernels)
         self.head_hc = HCWeights(
             fn=get("output_hc_fn.weight"),
             scale=get("output_hc_scale.weight"),
@@ -114,7 +118,9 @@ class CudaModel:
         head = SimpleNamespace(e=self.embd, o=self.output, n=self.output_norm, hc=self.head_hc)
         tensors = _tensors_of(head)
         for blk in self.layers:
-            tensors += _tensors_of(blk.w) + (_tensors_of(blk.side) if blk.side is not None else [])
+            tensors += _tensors_of(blk.w)
+            if blk.side is not None:  # its merged packed matrices are counted through the QLinear row views
+                tensors += [blk.side.xn, blk.side.router, blk.side.q_b]
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -282,9 +288,30 @@ def _half_copy(mats: list) -> torch.Tensor | None:
     return half.contiguous() if torch.equal(half.float(), full) else None
 
 
-def side_matrices(w) -> SideMatrices | None:
-    """A layer's SideMatrices (ds4.model.cuda.layer): xn-fed compressor / indexer matrices, the router, the
-    indexer q_b; None when none of them has an exact half copy."""
+def _merge_packed(obj, *names: str):
+    """The QLinears obj.<names> (same packed format and row length) as ONE PackedWeight of all their rows;
+    each QLinear is rebuilt on a row view of it (same values, no extra memory). None if they differ."""
+    ws = [getattr(obj, n) for n in names]
+    if not all(isinstance(w, QLinear) and len(w.packed.shape) == 2 for w in ws):
+        return None
+    ps = [w.packed for w in ws]
+    if len({(p.qtype, p.K, tuple(p.data)) for p in ps}) != 1:
+        return None
+    merged = type(ps[0])(ps[0].qtype, (sum(p.N for p in ps), ps[0].K), {
+        k: torch.cat([p.data[k] for p in ps]) for k in ps[0].data
+    })  # fmt: skip
+    r0 = 0
+    for name, w, p in zip(names, ws, ps, strict=True):
+        rows = {k: v[r0 : r0 + p.N] for k, v in merged.data.items()}
+        setattr(obj, name, QLinear(w.dense, type(p)(p.qtype, p.shape, rows)))
+        r0 += p.N
+    return merged
+
+
+def side_matrices(w, half: bool, merge: bool) -> SideMatrices | None:
+    """A layer's SideMatrices (ds4.model.cuda.layer): with `half`, exact float16 copies of the xn-fed
+    compressor / indexer matrices, the router, the indexer q_b; with `merge`, q_a + kv and the shared gate +
+    up merged into one packed matrix each. None when nothing applies."""
     a = w.attn
     mats = []
     if a.compressor is not None:
@@ -292,10 +319,13 @@ def side_matrices(w) -> SideMatrices | None:
         if a.indexer is not None:
             ic = a.indexer.compressor
             mats += [ic.kv, ic.gate, a.indexer.proj]
-    xn = _half_copy(mats)
-    q_b = _half_copy([a.indexer.q_b]) if a.indexer is not None else None
-    side = SideMatrices(xn, tuple(m.shape[0] for m in mats), _half_copy([w.moe.gate_inp]), q_b)
-    return side if any(t is not None for t in (side.xn, side.router, side.q_b)) else None
+    xn = _half_copy(mats) if half else None
+    q_b = _half_copy([a.indexer.q_b]) if half and a.indexer is not None else None
+    router = _half_copy([w.moe.gate_inp]) if half else None
+    qa_kv = _merge_packed(a, "q_a", "kv") if merge else None
+    shared_gu = _merge_packed(w.moe, "gate_sh", "up_sh") if merge else None
+    side = SideMatrices(xn, tuple(m.shape[0] for m in mats), router, q_b, qa_kv, shared_gu)
+    return side if any(t is not None for t in (xn, router, q_b, qa_kv, shared_gu)) else None
 
 
 class DecodeRunner:
