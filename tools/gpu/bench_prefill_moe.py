@@ -18,6 +18,7 @@ triton.testing.do_bench (median ms, L2 flushed between runs):
   * parts of the dequant path: dequant_experts of every expert of a stack (GB/s = bf16 bytes written + packed
     bytes read), the dense GEMM alone on a scratch already dequantized (TFLOP/s), and tile sweeps of both
     (DEQ_ROWS / DEQ_TK / DEQ_WARPS; GROUPED_DENSE);
+  * the block with smaller scratch groups (DEQUANT_BYTES 512 .. 32 MiB);
   * checks: max |dequant - fused| / max |fused| per matrix (same bf16 operands: ~1e-6 expected).
 Prints one line per measurement; the prefill time of 43 layers x 2 chunks is 86 x the block time.
 """
@@ -184,6 +185,14 @@ def main() -> None:
             ms = bench_ms(lambda: block("dequant", gate, up, down, offsets, xs, rw))
             say(f"block dequant {cfg}: {ms:8.3f} ms")
         matmul.GROUPED_DENSE = default
+        # smaller groups: fewer scratch bytes between the dequant and the GEMM (L2: 50 MB), more launches
+        default_bytes = matmul.DEQUANT_BYTES
+        for mib in (512, 128, 64, 32):
+            matmul.DEQUANT_BYTES = mib << 20
+            matmul.release_scratch()
+            ms = bench_ms(lambda: block("dequant", gate, up, down, offsets, xs, rw))
+            say(f"block dequant DEQUANT_BYTES {mib} MiB: {ms:8.3f} ms")
+        matmul.DEQUANT_BYTES = default_bytes
     held = sum(t.numel() * 2 for t in matmul._SCRATCH.values())
     say(f"scratch held: {held / 2**20:.0f} MiB; total {time.time() - t0:.0f} s")
 
