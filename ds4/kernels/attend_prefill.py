@@ -40,10 +40,10 @@ class PrefillConfig(NamedTuple):
     bn: int  # keys per inner block
     warps: int
     stages: int  # software-pipeline stages of the key loops
-    skip_empty: bool  # skip a block of compressed entries that are all invalid (a branch in the loop)
 
 
-PREFILL_CFG = PrefillConfig(bh=32, bn=32, warps=8, stages=2, skip_empty=True)
+PREFILL_CFG = PrefillConfig(bh=16, bn=16, warps=4, stages=2)
+VALID_BLOCK = 128  # comp_valid entries per step of the pass that finds each query's last valid one
 LOG2E = math.log2(math.e)
 
 
@@ -131,7 +131,7 @@ def _online_step(q, kv, vis, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, RTNE_B
 def _prefill_kernel(
     q_ptr, raw_ptr, comp_ptr, idx_ptr, valid_ptr, sink_ptr, out_ptr,
     H, D, C, K, raw_off, window, qk_scale, s_it, s_ik, s_vt, s_vk,
-    HAS_COMP: tl.constexpr, SKIP_EMPTY: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    HAS_COMP: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     BD: tl.constexpr, PREC: tl.constexpr, RTNE_BY_HAND: tl.constexpr,
 ):  # fmt: skip
     """Program (t, head block), head blocks of one query adjacent (they read the same rows, through L2).
@@ -140,7 +140,8 @@ def _prefill_kernel(
     of comp_idx[t] with comp_valid[t, j] and 0 <= comp_idx[t, j] < C. q is read in its own dtype and cast to
     the keys' (the products' precision). out[t, h] = acc / (l + e^(sink_h - m)) in base 2."""
     n_hb = tl.cdiv(H, BH)
-    t = (tl.program_id(0) // n_hb).to(tl.int64)
+    t32 = tl.program_id(0) // n_hb  # i32 loop bounds below (the software pipeliner wants them)
+    t = t32.to(tl.int64)
     h = (tl.program_id(0) % n_hb) * BH + tl.arange(0, BH)
     hm = h < H
     d = tl.arange(0, BD)
@@ -151,30 +152,28 @@ def _prefill_kernel(
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BD], tl.float32)
-    last = t + raw_off  # the query's own raw row
+    last = t32 + raw_off  # the query's own raw row
     for j0 in range(tl.maximum(last - window + 1, 0), last + 1, BN):
         j = j0 + tl.arange(0, BN)
         vis = j <= last
         kv = tl.load(raw_ptr + j[:, None] * D + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0)
         m_i, l_i, acc = _online_step(q, kv, vis, m_i, l_i, acc, qk_scale, PREC, RTNE_BY_HAND)
     if HAS_COMP:
-        for j0 in range(0, K, BN):
+        # the loop stops after the last valid entry (the indexer lists invalid ones last; causal validity
+        # over every row is a prefix): a bound, not a branch in the loop, so the loads stay pipelined
+        n = tl.zeros([BV], tl.int32)
+        for j0 in range(0, K, BV):
+            j = j0 + tl.arange(0, BV)
+            v = tl.load(valid_ptr + t * s_vt + j * s_vk, mask=j < K, other=0)
+            n = tl.maximum(n, tl.where(v != 0, j + 1, 0))
+        for j0 in range(0, tl.max(n, axis=0), BN):
             j = j0 + tl.arange(0, BN)
             jm = j < K
             c = tl.load(idx_ptr + t * s_it + j * s_ik, mask=jm, other=0).to(tl.int64)
             ok = tl.load(valid_ptr + t * s_vt + j * s_vk, mask=jm, other=0) != 0
             ok = ok & jm & (c >= 0) & (c < C)
-            if SKIP_EMPTY:
-                if tl.max(ok.to(tl.int32), axis=0) > 0:
-                    kv = tl.load(
-                        comp_ptr + c[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0
-                    )
-                    m_i, l_i, acc = _online_step(q, kv, ok, m_i, l_i, acc, qk_scale, PREC, RTNE_BY_HAND)
-            else:
-                kv = tl.load(
-                    comp_ptr + c[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0
-                )
-                m_i, l_i, acc = _online_step(q, kv, ok, m_i, l_i, acc, qk_scale, PREC, RTNE_BY_HAND)
+            kv = tl.load(comp_ptr + c[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+            m_i, l_i, acc = _online_step(q, kv, ok, m_i, l_i, acc, qk_scale, PREC, RTNE_BY_HAND)
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634  # log2 units
     big = tl.maximum(m_i, sink)  # finite: the sink is
     w = tl.exp2(m_i - big)  # 0 when no key was visible
@@ -200,7 +199,7 @@ def _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sink
     _prefill_kernel[(T * triton.cdiv(H, BH),)](
         q.contiguous(), raw, comp, comp_idx, valid, sinks.float().contiguous(), out,
         H, D, C, K, p0 - raw_p0, window, float(scale) * LOG2E, *strides,
-        HAS_COMP=has_comp, SKIP_EMPTY=cfg.skip_empty, BH=BH, BN=cfg.bn,
+        HAS_COMP=has_comp, BV=VALID_BLOCK, BH=BH, BN=cfg.bn,
         BD=max(16, triton.next_power_of_2(D)), PREC="ieee" if dtype == torch.float32 else "tf32",
         RTNE_BY_HAND=dtype == torch.bfloat16 and not q.is_cuda,
         num_warps=cfg.warps, num_stages=cfg.stages,

@@ -34,22 +34,22 @@ from ds4.kernels import attend_prefill as ap  # noqa: E402
 from ds4.kernels.attend_prefill import PrefillConfig  # noqa: E402
 from ds4.model.cuda.layer import _sink_attention_chunk  # noqa: E402
 
-# (bh, bn, warps, stages, skip_empty); PREFILL_CFG always runs first
+# (bh, bn, warps, stages); PREFILL_CFG always runs first
 CONFIGS = [
     PrefillConfig(*c)
     for c in (
-        (16, 32, 4, 2, True),
-        (16, 16, 4, 2, True),
-        (16, 32, 8, 2, True),
-        (32, 16, 8, 2, True),
-        (32, 32, 8, 1, True),
-        (32, 32, 8, 2, False),
-        (32, 64, 8, 2, True),
-        (64, 16, 8, 2, True),
-        (64, 32, 8, 2, True),
+        (16, 16, 4, 2),
+        (16, 16, 4, 3),
+        (16, 32, 4, 2),
+        (16, 32, 8, 2),
+        (16, 16, 8, 2),
+        (32, 16, 8, 2),
+        (32, 32, 8, 2),
+        (32, 16, 8, 1),
+        (64, 16, 8, 2),
     )
 ]
-QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[7]]
+QUICK = [CONFIGS[0], CONFIGS[2], CONFIGS[5]]
 TOL = 1e-2
 
 
@@ -58,7 +58,7 @@ def configs(quick: bool) -> list[PrefillConfig]:
 
 
 def label(c: PrefillConfig) -> str:
-    return f"bh{c.bh:<3d} bn{c.bn:<3d} w{c.warps} s{c.stages}{' skip' if c.skip_empty else ''}"
+    return f"bh{c.bh:<3d} bn{c.bn:<3d} w{c.warps} s{c.stages}"
 
 
 def make_case(T: int, H: int, D: int, W: int, p0: int, ratio: int, topk: int, dev, seed: int) -> dict:
@@ -176,7 +176,7 @@ def _build(cfg: PrefillConfig, dt: str):
 
     fn = ap._prefill_kernel
     consts = dict(
-        HAS_COMP=True, SKIP_EMPTY=cfg.skip_empty, BH=cfg.bh, BN=cfg.bn, BD=FLASH.head_dim,
+        HAS_COMP=True, BV=ap.VALID_BLOCK, BH=cfg.bh, BN=cfg.bn, BD=FLASH.head_dim,
         PREC="ieee" if dt == "fp32" else "tf32", RTNE_BY_HAND=False,
     )  # fmt: skip
     ptrs = dict(
@@ -187,7 +187,8 @@ def _build(cfg: PrefillConfig, dt: str):
         n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32")
         for n in fn.arg_names
     }
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs}
+    # what the JIT specializes at a real launch: 16-aligned pointers, and D = 512 (its row loads vectorize)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n == "D"}
     src = ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs)
     opts = {"num_warps": cfg.warps, "num_stages": cfg.stages}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
