@@ -504,8 +504,11 @@ class HalfConfig:
 # (bench_side.py --compile-only, Triton 3.6): HMV_SMALL 79 registers at B = 1 (k loop: 5 LDG.128, 32 FFMA),
 # 56-64 at B = 2..4; HMV_LARGE 128 (B <= 8) to 242 (B = 32) registers; no spills. "ieee" is shared-memory
 # bound (72-136 LDS per loop), "tf32x3" and tf32x2 with tk 256 spill at B = 32.
-HALF_SMALL_B = 4
-HMV_SMALL = HalfConfig(bn=8, tk=512, warps=4, stages=1, target=1056, mode="fma")  # Q8_MV1's tuned shape
+# H200, cold L2 (bench_side.py --quick, session 3): fma bn4 s3 without split-K was the best or near-best
+# config at B = 1 and 8 on every decode shape (attention r4 [2624, 4096] 20.5 -> 13.1 us at B = 1, 43 -> 25 us
+# at B = 8; router 21 -> 10.9 us); tf32x2 bn32 wins at B = 32.
+HALF_SMALL_B = 8
+HMV_SMALL = HalfConfig(bn=4, tk=512, warps=4, stages=3, target=1, mode="fma")
 HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="tf32x2")
 
 
