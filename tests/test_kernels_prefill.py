@@ -157,6 +157,28 @@ def test_moe_grouped_pair(path, dequant_path, monkeypatch):
         assert rel_err(u, bf16_oracle(x, wu, offsets)) < SAME_TOL
 
 
+@pytest.mark.parametrize("clamp", [0.0, 0.5])
+@pytest.mark.parametrize("path", ["dequant", "fused"])
+def test_moe_swiglu_grouped(path, clamp, dequant_path, monkeypatch):
+    monkeypatch.setattr(matmul, "PREFILL_MOE", path)
+    monkeypatch.setattr(matmul, "DEQUANT_BYTES", 3 * 96 * 256 * 2)  # groups of 3 experts: (3, 1)
+    E, F, K, M = 4, 48, 256, 50  # F = 48: a partial 32-column tile of 16 (gate, up) pairs
+    wg, _ = stack(GGMLType.IQ2_XXS, (E, F, K), 17)
+    wu, _ = stack(GGMLType.IQ2_XXS, (E, F, K), 18)
+    offsets = torch.tensor([1, 20, 21, 21, 49], dtype=torch.int32, device=DEVICE)  # rows 0, 49: none
+    x = torch.randn(M, K, generator=generator(19), device=DEVICE).bfloat16()
+    rw = torch.rand(M, generator=generator(20), device=DEVICE)
+    got = matmul.moe_swiglu_grouped(x, wg, wu, offsets, rw, clamp)
+    assert got.shape == (M, F) and got.dtype == torch.float32
+    g, u = ref.moe_grouped(x, wg, offsets), ref.moe_grouped(x, wu, offsets)
+    assert float(g.abs().max()) > 2 * clamp  # the clamp matters
+    assert rel_err(got, ref.swiglu_clamped(g, u, clamp) * rw[:, None]) < BF16_TOL
+    if path != "fused" or CUDA:
+        g, u = bf16_oracle(x, wg, offsets), bf16_oracle(x, wu, offsets)
+        assert rel_err(got, ref.swiglu_clamped(g, u, clamp) * rw[:, None]) < SAME_TOL
+    assert (got[0] == 0).all() and (got[49] == 0).all()
+
+
 def test_moe_grouped_pair_errors(dequant_path, monkeypatch):
     wg, _ = stack(GGMLType.IQ2_XXS, (4, 48, 256), 14)
     wd, _ = stack(GGMLType.Q2_K, (4, 256, 256), 15)
@@ -169,6 +191,8 @@ def test_moe_grouped_pair_errors(dequant_path, monkeypatch):
         matmul.moe_grouped_pair(x, wg, wd, offsets[:4])
     with pytest.raises(ValueError, match="x must be"):
         matmul.moe_grouped(x[:, :128], wg, offsets)
+    with pytest.raises(ValueError, match="equal widths"):
+        matmul.moe_swiglu_grouped(x, wg, wd, offsets, torch.ones(8, device=DEVICE), 0.0)
     monkeypatch.setattr(matmul, "PREFILL_MOE", "dequantize")
     with pytest.raises(ValueError, match="must be dequant or fused"):
         matmul.moe_grouped(x, wg, offsets)
@@ -201,3 +225,22 @@ def test_prefill_flash_widths_cuda(qtype, shape, dequant_path, monkeypatch):
     assert rel_err(got, bf16_oracle(xs, w, offsets)) < SAME_TOL
     monkeypatch.setattr(matmul, "PREFILL_MOE", "fused")
     assert rel_err(got, matmul.moe_grouped(xs, w, offsets)) < SAME_TOL
+
+
+@pytest.mark.cuda
+def test_swiglu_flash_widths_cuda(dequant_path, monkeypatch):
+    E, F, K = 16, 2048, 4096
+    wg, _ = stack(GGMLType.IQ2_XXS, (E, F, K), 23)
+    wu, _ = stack(GGMLType.IQ2_XXS, (E, F, K), 24)
+    gen = generator(25)
+    flat = torch.randint(0, E, (3000,), generator=gen, device=DEVICE)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEVICE)
+    offsets[1:] = torch.bincount(flat, minlength=E).cumsum(0)
+    x = torch.randn(3000, K, generator=gen, device=DEVICE).bfloat16()
+    rw = torch.rand(3000, generator=gen, device=DEVICE)
+    monkeypatch.setattr(matmul, "DEQUANT_BYTES", 3 * 2 * F * K * 2)  # groups of 3 experts
+    got = matmul.moe_swiglu_grouped(x, wg, wu, offsets, rw, 10.0)
+    g, u = bf16_oracle(x, wg, offsets), bf16_oracle(x, wu, offsets)
+    assert rel_err(got, ref.swiglu_clamped(g, u, 10.0) * rw[:, None]) < SAME_TOL
+    monkeypatch.setattr(matmul, "PREFILL_MOE", "fused")
+    assert rel_err(got, matmul.moe_swiglu_grouped(x, wg, wu, offsets, rw, 10.0)) < SAME_TOL

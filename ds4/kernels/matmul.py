@@ -154,6 +154,35 @@ def moe_grouped_pair(
     return ya, yb
 
 
+def moe_swiglu_grouped(
+    x_sorted: torch.Tensor,
+    gate: PackedWeight,
+    up: PackedWeight,
+    offsets: torch.Tensor,
+    row_weights: torch.Tensor,
+    clamp: float,
+) -> torch.Tensor:
+    """mid [M, F] f32 = silu(min(g, c)) * clamp(u, -c, c) * row_weights[:, None] with g, u = the grouped
+    products of x_sorted [M, K] with gate, up [E, F, K] (clamp c <= 0: no clamp; model.md §5.5).
+
+    "dequant" path: gate and up rows interleaved in one scratch, one GEMM whose epilogue applies the SwiGLU
+    and the router weight (no [M, 2F] intermediate). "fused" path and CPU: moe_grouped_pair, then torch.
+    """
+    x = _check_grouped(x_sorted, [gate, up], offsets, "moe_swiglu_grouped")
+    if gate.N != up.N or row_weights.shape != (x.shape[0],):
+        raise ValueError(
+            f"moe_swiglu_grouped: gate and up must have equal widths and row_weights [{x.shape[0]}], got "
+            f"{gate.shape}, {up.shape}, {tuple(row_weights.shape)}"
+        )
+    rw = row_weights.float().contiguous()
+    if not use_triton(x) or PREFILL_MOE == "fused":
+        g, u = moe_grouped_pair(x, gate, up, offsets)
+        return ref.swiglu_clamped(g, u, clamp) * rw[:, None]
+    out = torch.zeros(x.shape[0], gate.N, dtype=torch.float32, device=x.device)
+    _dense_groups(x.to(torch.bfloat16), [gate, up], offsets, out, rw, float(clamp))
+    return out
+
+
 def _check_grouped(x_sorted: torch.Tensor, ws: list[PackedWeight], offsets: torch.Tensor, what: str):
     """Validated activations (contiguous f32 | bf16) for the grouped GEMMs; one clear error otherwise."""
     if PREFILL_MOE not in ("dequant", "fused"):
@@ -291,6 +320,7 @@ def _dequant_kernel(
     N,
     K,
     stride_oe,
+    stride_on,
     QT: tl.constexpr,
     BR: tl.constexpr,
     G: tl.constexpr,
@@ -310,7 +340,7 @@ def _dequant_kernel(
     gg = pid_k * G + tl.arange(0, G)
     val = _dequant_groups(w0, w1, w2, w3, wrow, gg, K, QT, W)  # [BR, G, W]
     col = (gg * W)[None, :, None] + tl.arange(0, W)[None, None, :]
-    out = out_ptr + sel.to(tl.int64) * stride_oe + n[:, None, None].to(tl.int64) * K + col
+    out = out_ptr + sel.to(tl.int64) * stride_oe + n[:, None, None].to(tl.int64) * stride_on + col
     if SOFT_RNE:  # interpreter: its f32 -> bf16 cast truncates; round to nearest even on the bits (finite)
         u = val.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -328,15 +358,15 @@ def dequant_experts(
     """Experts ids [n] (int32, device) of a stack W [E, N, K] -> bf16 [n, N, K], bit-equal to
     unpack(W)[ids].to(bfloat16).
 
-    out: where to write, a [n, N, K] bf16 view whose rows are contiguous (e.g. a column slice of a larger
-    scratch [n, N', K]). offsets [E+1] (optional): experts with offsets[e+1] == offsets[e] are skipped (their
-    slices of out are left as they were). Triton only (CUDA or the interpreter).
+    out: where to write, a [n, N, K] bf16 view whose rows are contiguous (e.g. a slice of a larger scratch
+    [n, N', K], or every other row of it). offsets [E+1] (optional): experts with offsets[e+1] == offsets[e]
+    are skipped (their slices of out are left as they were). Triton only (CUDA or the interpreter).
     """
     check_weight(w, 3, "dequant_experts", ids.device)
     n_sel, N, K = ids.numel(), w.N, w.K
     if out is None:
         out = torch.empty(n_sel, N, K, dtype=torch.bfloat16, device=ids.device)
-    if out.shape != (n_sel, N, K) or out.dtype != torch.bfloat16 or out.stride()[1:] != (K, 1):
+    if out.shape != (n_sel, N, K) or out.dtype != torch.bfloat16 or out.stride(2) != 1:
         raise ValueError(
             f"dequant_experts: out must be bf16 [{n_sel}, {N}, {K}] with contiguous rows, got {out.dtype} "
             f"{tuple(out.shape)} strides {out.stride()}"
@@ -349,7 +379,7 @@ def dequant_experts(
     grid = (triton.cdiv(N, DEQ_ROWS), K // tk, n_sel)
     _dequant_kernel[grid](
         *weight_args(w), out, ids.to(torch.int32), offsets.to(torch.int32) if skip else ids, N, K,
-        out.stride(0), QT=int(w.qtype), BR=DEQ_ROWS, G=tk // grp, W=grp, SKIP=skip,
+        out.stride(0), out.stride(1), QT=int(w.qtype), BR=DEQ_ROWS, G=tk // grp, W=grp, SKIP=skip,
         SOFT_RNE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=DEQ_WARPS,
     )  # fmt: skip
     return out
@@ -367,27 +397,41 @@ def _deq_tile_k(w: PackedWeight, grp: int) -> int:
 
 
 @triton.jit
-def _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n, N, K, stride_x, stride_we,
-                stride_o, BM: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """out[rows of M-tile t, n] = x[rows] @ Wd[e - e_lo, n]^T (f32 accumulation), n [BN] output columns."""
+def _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n0, N, K, stride_x, stride_we,
+                stride_o, rw_ptr, clamp, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                EPI: tl.constexpr):  # fmt: skip
+    """acc = x[rows of M-tile t] @ Wd[e - e_lo, n0 : n0 + BN]^T (f32 accumulation), then the epilogue:
+    EPI 0: out[rows, n] = acc. EPI 1 (scratch rows interleaved gate, up): out[rows, n0/2 + j] =
+    silu(min(g, c)) * clamp(u, -c, c) * rw[rows] with g, u = acc[:, 2j], acc[:, 2j+1]; clamp c <= 0: none."""
     e = tl.load(tile_e + t)
     r0 = tl.load(tile_r0 + t)
     r_end = tl.load(offsets + e + 1)
     rows = r0 + tl.arange(0, BM)
     rmask = rows < r_end
+    n = n0 + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     xp = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]  # [BM, BK]
     wrow = (e - e_lo).to(tl.int64) * stride_we + tl.minimum(n, N - 1).to(tl.int64) * K
     wp = w_ptr + wrow[None, :] + kk[:, None]  # [BK, BN]: the W^T tile
-    acc = tl.zeros([BM, n.shape[0]], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     for _ in range(0, K // BK):
         a = tl.load(xp, mask=rmask[:, None], other=0.0)
         b = tl.load(wp)
         acc = tl.dot(a, b, acc)
         xp += BK
         wp += BK
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_o + n[None, :]
-    tl.store(out, acc, mask=rmask[:, None] & (n < N)[None, :])
+    orow = out_ptr + rows[:, None].to(tl.int64) * stride_o
+    if EPI == 1:
+        g, u = tl.split(tl.reshape(acc, [BM, BN // 2, 2]))  # [BM, BN/2] each
+        if clamp > 0:
+            g = tl.minimum(g, clamp)
+            u = tl.minimum(tl.maximum(u, -clamp), clamp)
+        rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+        mid = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+        f = n0 // 2 + tl.arange(0, BN // 2)
+        tl.store(orow + f[None, :], mid, mask=rmask[:, None] & (f < N // 2)[None, :])
+    else:
+        tl.store(orow + n[None, :], acc, mask=rmask[:, None] & (n < N)[None, :])
 
 
 @triton.jit
@@ -406,28 +450,32 @@ def _grouped_dense_kernel(
     stride_x,
     stride_we,
     stride_o,
+    rw_ptr,
+    clamp,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     LOOP: tl.constexpr,
+    EPI: tl.constexpr,
 ):
-    """out[rows, :] = x[rows] @ Wd[e - e_lo]^T for the M-tiles group_tiles[g] .. group_tiles[g+1] of the tile
-    table (the experts of group g, from e_lo); Wd the dense bf16 scratch [n, N, K] (row stride K, expert
-    stride stride_we). Axis 1 counts from the group's first tile: one tile per program, the programs past the
-    group's last tile exit at once (the grid is a static bound: no host sync); LOOP: fewer programs stride
-    over the group's tiles (no idle programs, but more registers: 152 vs 104 at 128 x 128 x 64, 8 warps)."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    """out[rows, :] = x[rows] @ Wd[e - e_lo]^T (EPI: _dense_tile) for the M-tiles group_tiles[g] ..
+    group_tiles[g+1] of the tile table (the experts of group g, from e_lo); Wd the dense bf16 scratch
+    [n, N, K] (row stride K, expert stride stride_we). Axis 1 counts from the group's first tile: one tile
+    per program, the programs past the group's last tile exit at once (the grid is a static bound: no host
+    sync); LOOP: fewer programs stride over the group's tiles (no idle programs, but more registers: 152 vs
+    104 at 128 x 128 x 64, 8 warps)."""
+    n0 = tl.program_id(0) * BN
     t_lo = tl.load(group_tiles + g)
     t_hi = tl.load(group_tiles + g + 1)
     if LOOP:
         for t in range(t_lo + tl.program_id(1), t_hi, tl.num_programs(1)):
-            _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n, N, K, stride_x,
-                        stride_we, stride_o, BM, BK)  # fmt: skip
+            _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n0, N, K, stride_x,
+                        stride_we, stride_o, rw_ptr, clamp, BM, BN, BK, EPI)  # fmt: skip
     else:
         t = t_lo + tl.program_id(1)
         if t < t_hi:
-            _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n, N, K, stride_x,
-                        stride_we, stride_o, BM, BK)  # fmt: skip
+            _dense_tile(x_ptr, w_ptr, out_ptr, t, tile_e, tile_r0, offsets, e_lo, n0, N, K, stride_x,
+                        stride_we, stride_o, rw_ptr, clamp, BM, BN, BK, EPI)  # fmt: skip
 
 
 def group_tiles(offsets: torch.Tensor, bm: int, per: int) -> torch.Tensor:
@@ -471,13 +519,21 @@ def _grouped_dense(x: torch.Tensor, ws: list[PackedWeight], offsets: torch.Tenso
     Per group of experts: dequantize every stack into its column slice of the scratch [n, sum N_i, K], then
     one GEMM over the group's M-tiles. The host loop depends on shapes only (no host sync).
     """
-    M, K, n_exp = x.shape[0], ws[0].K, ws[0].shape[0]
     widths = [w.N for w in ws]
-    nt = sum(widths)
-    out = torch.zeros(M, nt, dtype=torch.float32, device=x.device)
-    cols = [out[:, c - n : c] for n, c in zip(widths, _cumsum(widths), strict=True)]
+    out = torch.zeros(x.shape[0], sum(widths), dtype=torch.float32, device=x.device)
+    _dense_groups(x, ws, offsets, out, None, 0.0)
+    return [out[:, c - n : c] for n, c in zip(widths, _cumsum(widths), strict=True)]
+
+
+def _dense_groups(
+    x, ws: list[PackedWeight], offsets, out: torch.Tensor, rw: torch.Tensor | None, clamp: float
+):
+    """The group loop of the "dequant" path into out [M, sum N_i] f32; rw [M] given: two stacks (gate, up)
+    interleaved row by row in the scratch and the SwiGLU epilogue, out [M, N_0]."""
+    M, K, n_exp = x.shape[0], ws[0].K, ws[0].shape[0]
+    nt = sum(w.N for w in ws)
     if M == 0 or nt == 0:
-        return cols
+        return
     cfg = GROUPED_DENSE  # read at each call: tests and the bench swap it
     if K % cfg.bk:
         raise ValueError(f"moe_grouped: row length {K} must be a multiple of {cfg.bk} (GROUPED_DENSE.bk)")
@@ -493,13 +549,17 @@ def _grouped_dense(x: torch.Tensor, ws: list[PackedWeight], offsets: torch.Tenso
         n_prog = max(1, min(n_prog, triton.cdiv(cfg.waves * _sm_count(x.device), n_col)))
     for g, e0 in enumerate(range(0, n_exp, per)):
         n = min(per, n_exp - e0)
-        for w, c in zip(ws, _cumsum(widths), strict=True):
-            dequant_experts(w, ids[e0 : e0 + n], buf[:n, c - w.N : c], offsets)
+        if rw is None:  # stack i -> its rows of the scratch
+            for w, c in zip(ws, _cumsum([w.N for w in ws]), strict=True):
+                dequant_experts(w, ids[e0 : e0 + n], buf[:n, c - w.N : c], offsets)
+        else:  # gate -> even rows, up -> odd rows
+            for i, w in enumerate(ws):
+                dequant_experts(w, ids[e0 : e0 + n], buf[:n, i::2], offsets)
         _grouped_dense_kernel[(n_col, n_prog)](
-            x, buf, out, tile_e, tile_r0, offsets, bounds, g, e0, nt, K, x.stride(0), nt * K, nt,
-            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, LOOP=cfg.loop, num_warps=cfg.warps, num_stages=cfg.stages,
+            x, buf, out, tile_e, tile_r0, offsets, bounds, g, e0, nt, K, x.stride(0), nt * K, out.stride(0),
+            out if rw is None else rw, clamp, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, LOOP=cfg.loop,
+            EPI=0 if rw is None else 1, num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
-    return cols
 
 
 def _cumsum(xs: list[int]) -> list[int]:
@@ -519,6 +579,7 @@ __all__ = [
     "group_tiles",
     "moe_grouped",
     "moe_grouped_pair",
+    "moe_swiglu_grouped",
     "qmatmul",
     "release_scratch",
     "scratch_experts",

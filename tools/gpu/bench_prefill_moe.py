@@ -12,9 +12,10 @@ Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_prefill_moe.py --compile-only
 One 4,096-token chunk of one layer: T tokens x 6 distinct experts each out of 256 (random, as a router picks
 them), gate/up IQ2_XXS [256, 2048, 4096], down Q2_K [256, 4096, 2048], x bf16. Timed with
 triton.testing.do_bench (median ms, L2 flushed between runs):
-  * block: gate+up (fused path: two moe_grouped; dequant path: one moe_grouped_pair), SwiGLU, down: the
-    sequence of ds4.model.cuda.experts._grouped_sum without the gather/scatter; TFLOP/s = 2 * rows * N * K
-    summed over the three matrices / time;
+  * block: gate+up + SwiGLU + router weight, then down: the sequence of ds4.model.cuda.experts._grouped_sum
+    without the gather/scatter, on the paths "fused" (two moe_grouped, SwiGLU in torch), "dequant-pair"
+    (moe_grouped_pair, SwiGLU in torch) and "dequant" (moe_swiglu_grouped: SwiGLU in the GEMM epilogue);
+    TFLOP/s = 2 * rows * N * K summed over the three matrices / time;
   * parts of the dequant path: dequant_experts of every expert of a stack (GB/s = bf16 bytes written + packed
     bytes read), the dense GEMM alone on a scratch already dequantized (TFLOP/s), and tile sweeps of both
     (DEQ_ROWS / DEQ_TK / DEQ_WARPS; GROUPED_DENSE);
@@ -103,14 +104,19 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def block(path: str, gate, up, down, offsets, xs, rw) -> torch.Tensor:
-    """The expert block of one chunk on one path: [T*6, K] f32 (unscattered)."""
-    matmul.PREFILL_MOE = path
+    """The expert block of one chunk on one path: [T*6, K] f32 (unscattered). Paths: "fused" (the old
+    sequence), "dequant-pair" (gate+up in one GEMM, SwiGLU in torch), "dequant" (SwiGLU in the GEMM's
+    epilogue: moe_swiglu_grouped, what ds4.model.cuda.experts runs)."""
+    matmul.PREFILL_MOE = path.split("-")[0]
     if path == "fused":
         g, u = matmul.moe_grouped(xs, gate, offsets), matmul.moe_grouped(xs, up, offsets)
-    else:
+        mid = swiglu(g, u) * rw
+    elif path == "dequant-pair":
         g, u = matmul.moe_grouped_pair(xs, gate, up, offsets)
-    mid = (swiglu(g, u) * rw).bfloat16()
-    return matmul.moe_grouped(mid, down, offsets)
+        mid = swiglu(g, u) * rw
+    else:
+        mid = matmul.moe_swiglu_grouped(xs, gate, up, offsets, rw[:, 0], CLAMP)
+    return matmul.moe_grouped(mid.bfloat16(), down, offsets)
 
 
 def main() -> None:
@@ -144,10 +150,15 @@ def main() -> None:
             outs["dequant"][i], outs["fused"][i]
         )  # (--dry: ~5e-3, the interpreter's bf16 cast truncates)
         say(f"check {what:4s}: max|dequant - fused| / max|fused| = {err:.2e}")
-    del outs
+    mids = {}
+    for path in ("fused", "dequant"):
+        matmul.PREFILL_MOE = path
+        mids[path] = matmul.moe_swiglu_grouped(xs, gate, up, offsets, rw[:, 0], CLAMP)
+    say(f"check mid : max|dequant - fused| / max|fused| = {rel(mids['dequant'], mids['fused']):.2e}")
+    del outs, mids
 
     # the block on each path
-    for path in ("fused", "dequant"):
+    for path in ("fused", "dequant-pair", "dequant"):
         ms = bench_ms(lambda p=path: block(p, gate, up, down, offsets, xs, rw))
         tf = flop / ms / 1e9
         say(f"block {path:8s}: {ms:8.3f} ms  {tf:7.1f} TFLOP/s   x 86 (8k prompt): {86 * ms / 1e3:.2f} s")
@@ -209,8 +220,8 @@ def dense_only(x: torch.Tensor, scratch: torch.Tensor, offsets: torch.Tensor, cf
     if cfg.loop:
         n_prog = max(1, min(n_prog, triton.cdiv(cfg.waves * matmul._sm_count(x.device), n_col)))
     matmul._grouped_dense_kernel[(n_col, n_prog)](
-        x, scratch, out, tile_e, tile_r0, offsets, bounds, 0, 0, nt, k, x.stride(0), nt * k, nt,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, LOOP=cfg.loop, num_warps=cfg.warps, num_stages=cfg.stages,
+        x, scratch, out, tile_e, tile_r0, offsets, bounds, 0, 0, nt, k, x.stride(0), nt * k, nt, out, 0.0,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, LOOP=cfg.loop, EPI=0, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 
@@ -225,7 +236,7 @@ def _compile(fn, sig: dict[str, str], consts: dict, warps: int, stages: int):
 
     full = {n: sig.get(n, "constexpr") for n in fn.arg_names}
     # pointers and the int arguments that are multiples of 16 at Flash shapes: what Triton specializes on
-    ints16 = {"N", "K", "stride_oe", "stride_x", "stride_we", "stride_o"}
+    ints16 = {"N", "K", "stride_oe", "stride_on", "stride_x", "stride_we", "stride_o"}
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(fn.arg_names)
@@ -261,6 +272,7 @@ def compile_only() -> None:
         "N": "i32",
         "K": "i32",
         "stride_oe": "i64",
+        "stride_on": "i64",
     }
     types = {"IQ2_XXS": (16, 8, {}), "Q2_K": (10, 16, {"w1": "*u8", "w3": "*u8"})}
     types["Q4_K"] = (12, 32, {"w1": "*u8", "w3": "*u8"})
@@ -296,16 +308,18 @@ def compile_only() -> None:
         "stride_x": "i32",
         "stride_we": "i64",
         "stride_o": "i32",
+        "rw_ptr": "*fp32",
+        "clamp": "fp32",
     }
-    for cfg in DENSE_SWEEP:
-        consts = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "LOOP": cfg.loop}
+    for cfg, epi in [(c, 0) for c in DENSE_SWEEP] + [(c, 1) for c in DENSE_SWEEP[:1]]:
+        consts = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "LOOP": cfg.loop, "EPI": epi}
         try:
             k = _compile(matmul._grouped_dense_kernel, gemm_sig, consts, cfg.warps, cfg.stages)
         except Exception as exc:  # noqa: BLE001
-            say(f"  gemm {cfg}: FAILED {type(exc).__name__}: {exc}"[:500])
+            say(f"  gemm EPI {epi} {cfg}: FAILED {type(exc).__name__}: {exc}"[:500])
             continue
         ptx = k.asm["ptx"]
-        say(f"  gemm {cfg}: {_regs(k.asm['cubin'])} wgmma {ptx.count('wgmma.mma_async')}, "
+        say(f"  gemm EPI {epi} {cfg}: {_regs(k.asm['cubin'])} wgmma {ptx.count('wgmma.mma_async')}, "
             f"cp.async {ptx.count('cp.async')}, shared {k.metadata.shared} B")  # fmt: skip
 
 

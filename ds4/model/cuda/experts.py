@@ -29,9 +29,9 @@ try:  # gathered-expert / grouped Triton kernels (another module's family); opti
 except ImportError:  # pragma: no cover - not there yet
     kmoe = None
 try:
-    from ds4.kernels.matmul import moe_grouped, moe_grouped_pair
+    from ds4.kernels.matmul import moe_grouped, moe_swiglu_grouped
 except ImportError:  # pragma: no cover
-    moe_grouped = moe_grouped_pair = None
+    moe_grouped = moe_swiglu_grouped = None
 from ds4.quant import GGMLType
 from ds4.quant.dequant import _BLOCK_DECODERS, _f16, _iq2xxs_signed_grid  # the bit-exact block formulas
 from ds4.quant.types import BLOCK_GEOMETRY
@@ -142,8 +142,7 @@ def _grouped_sum(x, flat, w_flat, tok_flat, gate, up, down, clamp: float, dtype,
         offsets = torch.zeros(n_exp + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = hist.cumsum(0)
         xs = x[tok_sorted].to(dtype)  # [N, d] rows grouped by expert
-        g, u = moe_grouped_pair(xs, gate, up, offsets)  # [N, F] each: one GEMM against gate | up
-        mid = swiglu_mid(g, u, clamp) * w_sorted[:, None]
+        mid = moe_swiglu_grouped(xs, gate, up, offsets, w_sorted, clamp)  # [N, F]: swiglu_mid * weight
         out = moe_grouped(mid.to(dtype), down, offsets)  # [N, d]
         return torch.zeros(T, x.shape[1], device=x.device).index_add_(0, tok_sorted, out.float())
     counts = hist.tolist()  # host sync: prefill only
