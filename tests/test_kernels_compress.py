@@ -200,6 +200,24 @@ def test_bad_shapes_raise() -> None:
         compress.compress_decode(*args[:3], fk, *args[4:], EPS, 64, False)
 
 
+def test_indexer_top_rows_by_keys_equals_stable_sort() -> None:
+    """The decode option DS4_INDEXER_TOPK (ds4.model.cuda.layer.top_rows_by_keys: torch.topk over unique
+    keys) picks the same rows in the same order as the stable descending sort, on scores full of ties,
+    -inf (invisible rows), -0.0 / +0.0, subnormals and huge values."""
+    from ds4.model.cuda.layer import _top_rows, top_rows_by_keys
+
+    g = _gen(5)
+    for _ in range(50):
+        n = int(torch.randint(20, 400, (1,), generator=g))
+        s = torch.round(torch.randn(3, n, generator=g) * 3) / 2  # quantized: many ties
+        s[torch.rand(3, n, generator=g) < 0.2] = float("-inf")
+        s[torch.rand(3, n, generator=g) < 0.1] = -0.0
+        s[:, :4] = torch.tensor([1e-40, -1e-40, 3.4e38, -3.4e38])
+        k = int(torch.randint(1, n, (1,), generator=g))
+        s = s.to(DEVICE)
+        assert torch.equal(top_rows_by_keys(s, k), _top_rows(s, k))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # DeepSeek V4 Flash shapes, compiled (GPU only).
 

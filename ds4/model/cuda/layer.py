@@ -245,7 +245,8 @@ def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq,
                 qi = fused.indexer_q_post(qb.unflatten(-1, (n_heads, dim)), pos, inv_freq)  # [B, Hi, Di]
                 wts = (lin(xn, iw.proj) if parts[4] is None else parts[4]) * (dim**-0.5 * n_heads**-0.5)
                 score = attend_k.indexer_scores(qi, wts, kv.index, slot, count)  # [B, cap]
-                top = _top_rows(score, shape.indexer_topk)  # [B, k]
+                pick = top_rows_by_keys if INDEXER_TOPK else _top_rows
+                top = pick(score, shape.indexer_topk)  # [B, k]
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
 
 
@@ -364,6 +365,27 @@ def _top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last dim, ties to the lower row (FP4-quantized scores tie
     often, e.g. at exactly 0 after the ReLU); a stable descending sort, like the CPU reference."""
     return score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+# Decode's indexer top-k by torch.topk over unique int64 keys (top_rows_by_keys) instead of a full stable
+# sort of every compressed row: same indices; not yet timed on a GPU. Env DS4_INDEXER_TOPK=1: on.
+INDEXER_TOPK = os.environ.get("DS4_INDEXER_TOPK", "0") == "1"
+
+
+@fused.fuse(dynamic=True)
+def _order_keys(score):
+    """score [..., n] f32 -> int64 keys in the same order, all distinct: the float's order-preserving bits
+    (-0.0 folded into +0.0, negatives' magnitude bits flipped) above (2^31 - 1 - index), so that equal
+    scores rank the lower index first."""
+    bits = (score + 0.0).view(torch.int32).long()  # + 0.0: -0.0 -> +0.0 (the sort ties them)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    idx = torch.arange(score.shape[-1], device=score.device)
+    return ordered * (1 << 32) + ((1 << 31) - 1 - idx)
+
+
+def top_rows_by_keys(score: torch.Tensor, k: int) -> torch.Tensor:
+    """_top_rows(score, k) (same indices, same order) by torch.topk on unique keys: no full sort."""
+    return _order_keys(score).topk(k, dim=-1).indices
 
 
 def _indexer_pick(w, qn, xn, positions, rows, topk, inv_freq):
