@@ -128,6 +128,16 @@ def _online_step(q, kv, vis, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, RTNE_B
 
 
 @triton.jit
+def _comp_entries(idx_ptr, valid_ptr, t, j0, n_end, C, s_it, s_ik, s_vt, s_vk, BN: tl.constexpr):
+    """(rows c [BN] i64, usable [BN]) of entries j0.. of query t: valid, before n_end, and inside comp."""
+    j = j0 + tl.arange(0, BN)
+    jm = j < n_end
+    c = tl.load(idx_ptr + t * s_it + j * s_ik, mask=jm, other=0).to(tl.int64)
+    ok = tl.load(valid_ptr + t * s_vt + j * s_vk, mask=jm, other=0) != 0
+    return c, ok & jm & (c >= 0) & (c < C)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, raw_ptr, comp_ptr, idx_ptr, valid_ptr, sink_ptr, out_ptr,
     H, D, C, K, raw_off, window, qk_scale, s_it, s_ik, s_vt, s_vk,
@@ -166,14 +176,17 @@ def _prefill_kernel(
             j = j0 + tl.arange(0, BV)
             v = tl.load(valid_ptr + t * s_vt + j * s_vk, mask=j < K, other=0)
             n = tl.maximum(n, tl.where(v != 0, j + 1, 0))
-        for j0 in range(0, tl.max(n, axis=0), BN):
-            j = j0 + tl.arange(0, BN)
-            jm = j < K
-            c = tl.load(idx_ptr + t * s_it + j * s_ik, mask=jm, other=0).to(tl.int64)
-            ok = tl.load(valid_ptr + t * s_vt + j * s_vk, mask=jm, other=0) != 0
-            ok = ok & jm & (c >= 0) & (c < C)
+        n_end = tl.max(n, axis=0)
+        c, ok = _comp_entries(idx_ptr, valid_ptr, t, 0, n_end, C, s_it, s_ik, s_vt, s_vk, BN)
+        for j0 in range(0, n_end, BN):
+            # the next block's entries are read one step ahead: the row gather then depends on loop-carried
+            # values only, which lets the software pipeliner turn it into asynchronous copies
+            c_next, ok_next = _comp_entries(
+                idx_ptr, valid_ptr, t, j0 + BN, n_end, C, s_it, s_ik, s_vt, s_vk, BN
+            )
             kv = tl.load(comp_ptr + c[:, None] * D + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
             m_i, l_i, acc = _online_step(q, kv, ok, m_i, l_i, acc, qk_scale, PREC, RTNE_BY_HAND)
+            c, ok = c_next, ok_next
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634  # log2 units
     big = tl.maximum(m_i, sink)  # finite: the sink is
     w = tl.exp2(m_i - big)  # 0 when no key was visible
