@@ -14,7 +14,8 @@ Two implementations (PREFILL_MOE, env DS4_PREFILL_MOE):
     reads that dense scratch. The dequantization runs at high occupancy with wide stores (memory bound),
     instead of inside the GEMM's k loop where register pressure and the lack of overlap with the MMAs made it
     the bottleneck (H200, 4k-token chunk: ~190 G weights/s). moe_grouped_pair fuses two stacks that share x
-    (gate and up: one scratch [n, Ng + Nu, K], one GEMM).
+    (gate and up: one scratch [n, Ng + Nu, K], one GEMM); moe_swiglu_grouped also applies the SwiGLU and the
+    router weights in that GEMM's epilogue (gate and up rows interleaved in the scratch).
   * "fused": the weight tile is dequantized in registers inside the GEMM (_grouped_kernel; no scratch).
 Both round the weights and x to bf16 and accumulate in f32: equal up to the summation order.
 
@@ -224,7 +225,8 @@ def _moe_grouped_fused(x: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) 
 # ---------------------------------------------------------------------------------------------------------
 # The "dequant" path: dequant_experts (packed experts -> dense bf16 scratch) + a bf16 grouped GEMM on it.
 
-# "dequant" | "fused": the implementation of moe_grouped / moe_grouped_pair (read at each call).
+# "dequant" | "fused": the implementation of moe_grouped, moe_grouped_pair, moe_swiglu_grouped (read at each
+# call, so tests and benches may set it; the environment sets the default).
 PREFILL_MOE = os.environ.get("DS4_PREFILL_MOE", "dequant")
 # Bound of the dequantized-expert scratch, allocated lazily on first use, then kept (one per device) and
 # reused by every call: 1 GiB holds 32 Flash experts' gate+up ([4096, 4096] bf16) or 64 experts' down.
