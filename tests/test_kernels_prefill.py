@@ -199,6 +199,39 @@ def test_moe_grouped_pair_errors(dequant_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the model's prefill experts (ds4.model.cuda.experts.routed_prefill) on the "dequant" path
+
+
+@pytest.mark.parametrize("path", ["dequant", "fused"])
+def test_routed_prefill(path, dequant_path, monkeypatch):
+    """Oracle: per token, sum_j w_j down_j(swiglu(x)) with ds4.model.moe.swiglu (the CPU model's clamped
+    SwiGLU) on dequantized f32 experts; the mid activation is rounded to bf16 as on the GPU path."""
+    from ds4.model.cuda.experts import routed_prefill
+    from ds4.model.moe import swiglu
+
+    monkeypatch.setattr(matmul, "PREFILL_MOE", path)
+    monkeypatch.setattr(matmul, "DEQUANT_BYTES", 2 * 512 * 256 * 2)  # groups of 2 experts
+    E, F, D, T, k, clamp = 5, 256, 256, 7, 2, 0.4
+    wg, rg = stack(GGMLType.IQ2_XXS, (E, F, D), 26)
+    wu, ru = stack(GGMLType.IQ2_XXS, (E, F, D), 27)
+    wd, rd = stack(GGMLType.Q2_K, (E, D, F), 28)
+    gen = generator(29)
+    x = torch.randn(T, D, generator=gen, device=DEVICE)
+    ids = torch.stack([torch.randperm(E - 1, generator=gen, device=DEVICE)[:k] for _ in range(T)])  # 4: none
+    weights = torch.rand(T, k, generator=gen, device=DEVICE)
+    got = routed_prefill(x, ids, weights, wg, wu, wd, clamp, torch.bfloat16)
+    dg, du, dd = (dequantize(r, t, s) for r, t, s in ((rg, wg.qtype, wg.shape), (ru, wu.qtype, wu.shape),
+                                                     (rd, wd.qtype, wd.shape)))  # fmt: skip
+    want = torch.zeros(T, D, device=DEVICE)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            mid = swiglu(x[t : t + 1], dg[e], du[e], clamp) * weights[t, j]
+            want[t] += (mid.bfloat16().float() @ dd[e].T)[0]
+    assert rel_err(got, want) < BF16_TOL
+
+
+# ---------------------------------------------------------------------------------------------------------
 # GPU: Flash widths (16 experts so the twins can dequantize whole stacks)
 
 
