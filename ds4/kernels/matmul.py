@@ -230,8 +230,9 @@ def _moe_grouped_fused(x: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) 
 PREFILL_MOE = os.environ.get("DS4_PREFILL_MOE", "dequant")
 # Bound of the dequantized-expert scratch, allocated lazily on first use, then kept (one per device) and
 # reused by every call: 1 GiB holds 32 Flash experts' gate+up ([4096, 4096] bf16) or 64 experts' down.
-# The server's KV budget must leave this much device memory free (release_scratch() frees it).
-DEQUANT_BYTES = 1 << 30
+# The server's KV budget must leave this much device memory free (release_scratch() frees it). Env
+# DS4_DEQUANT_MIB sets it (a group holds at least one expert whatever the bound).
+DEQUANT_BYTES = int(os.environ.get("DS4_DEQUANT_MIB", "1024")) << 20
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 
 
