@@ -28,6 +28,7 @@ from ds4.kernels.attend_prefill import PrefillConfig, attend_prefill, attend_pre
 from ds4.model.cuda.layer import _sink_attention_chunk
 
 POISON = 1e3  # value of the rows invalid entries point at
+N_POISON = 3  # poison rows, after the C real ones
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -63,7 +64,7 @@ def _case(T: int, H: int, D: int, W: int, p0: int, mode: str, k: int, seed: int,
         valid = idx < counts[:, None]
         comp = torch.randn(C, D, generator=g)
     else:
-        P = 3
+        P = N_POISON
         comp = torch.cat([torch.randn(C, D, generator=g), torch.full((P, D), POISON)])
         idx = (torch.rand(T, k, generator=g) * counts[:, None].clamp_min(1)).long()  # [T, k] < counts
         valid = (torch.rand(T, k, generator=g) < 0.8) & (idx < counts[:, None])
@@ -194,14 +195,40 @@ def _flash_case(T: int, p0: int, mode: str, seed: int) -> dict:
     return _case(T, 64, 512, 128, p0, mode, 512, seed, ratio=128 if mode == "all" else 4)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("T,p0,mode", [(4096, 0, "topk"), (1000, 4096, "topk"), (4096, 4096, "all")])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_flash_shapes_vs_model_path(T: int, p0: int, mode: str, dtype: torch.dtype) -> None:
-    case = _to(_flash_case(T, p0, mode, seed=T + p0), DEVICE)
+def _rounded(case: dict, dtype: torch.dtype) -> dict:
+    """The case with q, raw and comp rounded to dtype and back to f32 (the operands the kernel multiplies)."""
+    return {
+        n: v.to(dtype).float() if n in ("q", "raw", "comp") and v is not None else v for n, v in case.items()
+    }
+
+
+def _check_vs_twin(case: dict, mode: str, dtype: torch.dtype) -> None:
+    """Against the twin in f32 on the rounded operands (p not rounded): the bound of the module docstring,
+    with max |v| over all keys (poison rows left out); then against the model path."""
     got = _run(case, dtype)
-    want = _run(case, dtype, attend_prefill_ref)  # the twin: the same rounding
-    assert float((got - want).abs().max() / want.abs().max()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    want = _run(_rounded(case, dtype), torch.float32, attend_prefill_ref)
+    err = float((got - want).abs().max())
+    if dtype == torch.float32:
+        assert err / float(want.abs().max()) < 1e-5
+    else:
+        keys = [case["raw"]]
+        if case["comp"] is not None:
+            keys.append(case["comp"][: case["comp"].shape[0] - (0 if mode == "all" else N_POISON)])
+        vmax = max(float(k.to(dtype).float().abs().max()) for k in keys)
+        assert err <= 2.0**-8 * vmax * 1.01 + 1e-5 * float(want.abs().max())
     want = _model_path(case, dtype)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert float((got - want).abs().max() / want.abs().max()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_twin_check_on_tiny_shapes(dtype: torch.dtype) -> None:
+    """The Flash-shape check below, on a tiny case (so that it runs here too)."""
+    _check_vs_twin(_to(_case(17, 4, 64, 16, 30, "topk", 8, seed=3), DEVICE), "topk", dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,p0,mode", [(4096, 0, "topk"), (1000, 4096, "topk"), (4096, 4096, "all")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flash_shapes(T: int, p0: int, mode: str, dtype: torch.dtype) -> None:
+    _check_vs_twin(_to(_flash_case(T, p0, mode, seed=T + p0), DEVICE), mode, dtype)

@@ -206,9 +206,9 @@ def _summary(kernel) -> str:
         use = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     res = " ".join(re.findall(r"(?:REG|STACK):\d+", use))
-    ops = " ".join(
-        f"{o} {n}" for o in ("HMMA", "HGMMA", "LDGSTS", "LDG", "STL", "LDL") if (n := sass.count(o + "."))
-    )
+    opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, flags=re.M)
+    counted = ("HMMA", "HGMMA", "LDGSTS", "LDG", "STL", "LDL")
+    ops = " ".join(f"{o} {opcodes.count(o)}" for o in counted if o in opcodes)
     return f"{res} smem {kernel.metadata.shared} | {ops}"
 
 
