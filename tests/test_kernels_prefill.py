@@ -126,6 +126,20 @@ def test_moe_grouped_dequant(qtype, group_bytes, dequant_path, monkeypatch):
     assert held <= max(group_bytes, N * K * 2), held  # the scratch bound
 
 
+@pytest.mark.parametrize("bm", [128, 32])
+@pytest.mark.parametrize("qtype", [GGMLType.IQ2_XXS, GGMLType.Q2_K], ids=lambda t: t.name)
+def test_moe_grouped_fused_path(qtype, bm, monkeypatch):
+    """The "fused" kernel stays selectable (PREFILL_MOE) and right: 128-row tiles, or several 32-row ones."""
+    monkeypatch.setattr(matmul, "PREFILL_MOE", "fused")
+    monkeypatch.setattr(matmul, "GROUPED_BM", bm)
+    E, N, K, M = 4, 40, 256, 60
+    w, raw = stack(qtype, (E, N, K), 30)
+    offsets = torch.tensor([0, 9, 9, 50, 60], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(M, K, generator=generator(31), device=DEVICE)
+    got = matmul.moe_grouped(x, w, offsets)
+    assert rel_err(got, oracle(x, dequantize(raw, qtype, (E, N, K)), offsets)) < BF16_TOL
+
+
 def test_moe_grouped_rows_outside_offsets_are_zero(dequant_path):
     w, _ = stack(GGMLType.IQ2_XXS, (2, 32, 256), 5)
     offsets = torch.tensor([3, 10, 20], dtype=torch.int32, device=DEVICE)
