@@ -199,6 +199,8 @@ def _attend_merge(
     jr = i - (D - R) // 2  # rotated pair index, < 0 in the nope part
     rot = jr >= 0
     pos = tl.load(pos_ptr + b).to(tl.float32)
+    # f32(pos) * inv rounded to f32, like every RoPE of the model (spec/model.md §4, the official recipe):
+    # f64 angles drift from it (~4e-4 rad at pos 65535)
     ang = pos * tl.load(inv_ptr + jr, mask=rot & im, other=0.0)
     cs = tl.where(rot, tl.cos(ang), 1.0)
     sn = tl.where(rot, tl.sin(ang), 0.0)
