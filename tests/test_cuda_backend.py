@@ -197,11 +197,13 @@ def _round_trips_off(monkeypatch) -> dict[str, int]:
     return calls
 
 
-def test_device_path_on_cpu_matches_reference_on_tiny_q2(monkeypatch):
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "kernel-layout"])
+def test_device_path_on_cpu_matches_reference_on_tiny_q2(monkeypatch, fast: bool):
     """The tiny synthetic q2 model (IQ2_XXS/Q2_K experts, indexer selecting top-8 of 75 rows): device code
     on the CPU vs the CPU reference, with the FP8/FP4 round trips off on both sides (_round_trips_off says
     why; the official-tiny cases above cover the device path with them on). Then only float32 summation
-    order differs, so the logits agree to ~1e-5 of their std on any CPU."""
+    order differs, so the logits agree to ~1e-5 of their std on any CPU. fast: the GPU's weight layout
+    (packed kernels' twins, merged q_a+kv / shared gate+up, float16 side matrices read by hmatvec)."""
     from ds4.config import TINY
     from ds4.layout import tensor_specs
     from ds4.model import DS4Model
@@ -215,12 +217,15 @@ def test_device_path_on_cpu_matches_reference_on_tiny_q2(monkeypatch):
     ref = DS4Model(
         TINY, lambda n: dequantize(raw[n][1].reshape(-1), raw[n][0], shapes[n]), has=raw.__contains__
     )
-    dev = CudaModel(TINY, lambda n: raw[n], has=raw.__contains__, device="cpu")
+    kw = dict(kernels=True, side_half=True) if fast else {}
+    dev = CudaModel(TINY, lambda n: raw[n], has=raw.__contains__, device="cpu", **kw)
+    if fast:  # the layout under test is really there
+        assert all(blk.side is not None and blk.side.xn is not None for blk in dev.layers if blk.shape.ratio)
     prompt = [(i * 7919) % TINY.n_vocab for i in range(300)]
     rs, ds = ref.new_state(320), dev.new_state(320)
     counts = []  # round-trip calls after: reference, device prefill, device decode
     want, toks = [ref.forward(rs, prompt)], []
-    for _ in range(2):
+    for _ in range(5):  # positions 300..304: a ratio-4 window completes at 303 (compressor rows written)
         toks.append(int(want[-1].argmax()))
         want.append(ref.forward(rs, [toks[-1]]))
     counts.append(dict(calls))
