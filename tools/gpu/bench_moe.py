@@ -1,18 +1,21 @@
-"""Routed-expert decode kernels at Flash shapes: current (f32 dequant) vs Q8_K integer (MoeConfig.int8).
+"""Routed-expert decode kernels at Flash shapes: current (f32 dequant) vs integer (MoeConfig.int8), the latter
+with one activation plane (terms 1, plain Q8_K) and two (terms 2, + residual plane: the default).
 
-On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]        (< 2 minutes)
+On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]        (~2 minutes)
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe.py --compile-only   (sm_90 build, SASS per weight)
 
 Flash widths (K = 4096, F = 2048, 256 experts, 6 per row), IQ2_XXS gate/up and Q2_K down, random valid blocks
 built on the GPU (ds4.quant.random_blocks + ds4.kernels.packing.pack), B = 1, 8, 32 rows.
   * checks (8-expert stacks, ids % 8, fresh random x / mid): max |diff| / max |ref| of every variant against
     the f32 reference (ref.moe_gate_up / moe_down on exactly dequantized weights) and of the int8 variants
-    against their integer twin (ref.moe_gate_up_q8k / moe_down_q8k);
+    against their integer twin (ref.moe_gate_up_q8k / moe_down_q8k with the variant's terms);
   * timing: L layers' stacks (different random experts per layer), one CUDA graph per variant that runs the
     op once per layer (L calls: the ~42 MB of selected-expert bytes of one layer is below the 50 MB L2, the
     rotation over L layers is not), replayed R times and timed with CUDA events: median us per call. The
     int8 times include quantizing x (gate/up) or mid (down). TB/s = packed bytes of the distinct experts the
-    call reads (DRAM minimum) / time.
+    call reads (DRAM minimum) / time. Per B, the best int8 tile of each terms value (t1 / t2) is summed per
+    layer next to the current kernels: the cost of the second plane at equal tiles reads off the t1 / t2 rows
+    of the same bn and warps.
 """
 
 from __future__ import annotations
@@ -39,15 +42,27 @@ E, TOPK, K, F = 256, 6, 4096, 2048
 LAYERS, REPS, WARMUP = 6, 25, 3
 BATCHES = (1, 8, 32)
 CLAMP = 10.0
-# (label, config); the first of each list is the current default
-GU = [("current", replace(moe.GATE_UP, int8=False))] + [
-    (f"int8 bn{bn} w{w}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d))
-    for bn, w, d in ((8, 4, True), (16, 4, True), (32, 4, True), (32, 8, True), (16, 4, False))
-]
-DOWN = [("current", replace(moe.DOWN, int8=False))] + [
-    (f"int8 bn{bn} w{w}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d))
-    for bn, w, d in ((16, 4, True), (32, 4, True), (64, 4, True), (64, 8, True), (32, 4, False))
-]
+
+
+def _int8_variants(tiles) -> list[tuple[str, moe.MoeConfig]]:
+    """(label, config) of int8 variants from (bn, warps, dp4a, terms) tuples."""
+    return [
+        (f"int8 bn{bn} w{w} t{t}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d, terms=t))
+        for bn, w, d, t in tiles
+    ]
+
+
+# (label, config); the first of each list is the current f32 default. Two terms at every tile, one term at the
+# tile that was best with it (A/B of the residual plane's cost). Each variant compiles once: keep the lists
+# short (tools/gpu/session_run.sh gives the whole run 120 s).
+GU = [("current", replace(moe.GATE_UP, int8=False))] + _int8_variants(
+    [(8, 4, True, 2), (16, 4, True, 2), (32, 4, True, 2), (32, 8, True, 2), (16, 4, False, 2)]
+    + [(16, 4, True, 1)]
+)
+DOWN = [("current", replace(moe.DOWN, int8=False))] + _int8_variants(
+    [(16, 4, True, 2), (32, 4, True, 2), (64, 4, True, 2), (64, 8, True, 2), (32, 4, False, 2)]
+    + [(64, 4, True, 1)]
+)
 DEV = torch.device("cuda")
 GEN: torch.Generator  # seeded in main()
 LOG: list[str] = []
@@ -112,15 +127,16 @@ def check(b: int, small) -> dict[str, tuple[float, float | None]]:
     mid = torch.randn(b, TOPK, F, device=DEV, generator=GEN)
     rw = torch.rand(b, TOPK, device=DEV, generator=GEN)
     want_gu, want_d = ref.moe_gate_up(x, wg, wu, ids, CLAMP), ref.moe_down(mid, rw, wd, ids)
-    twin_gu, twin_d = ref.moe_gate_up_q8k(x, wg, wu, ids, CLAMP), ref.moe_down_q8k(mid, rw, wd, ids)
+    twin_gu = {t: ref.moe_gate_up_q8k(x, wg, wu, ids, CLAMP, t) for t in (1, 2)}
+    twin_d = {t: ref.moe_down_q8k(mid, rw, wd, ids, t) for t in (1, 2)}
     out: dict[str, tuple[float, float | None]] = {}
     for op, variants in (("gu", GU), ("dn", DOWN)):
         for label, cfg in variants:
             try:
                 if op == "gu":
-                    got, want, twin = moe.moe_gate_up(x, wg, wu, ids, CLAMP, cfg), want_gu, twin_gu
+                    got, want, twin = moe.moe_gate_up(x, wg, wu, ids, CLAMP, cfg), want_gu, twin_gu[cfg.terms]
                 else:
-                    got, want, twin = moe.moe_down(mid, rw, wd, ids, cfg), want_d, twin_d
+                    got, want, twin = moe.moe_down(mid, rw, wd, ids, cfg), want_d, twin_d[cfg.terms]
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
                 say(f"  {op} {label}: FAILED: {type(exc).__name__}: {str(exc)[:600]}")
@@ -140,6 +156,7 @@ _COMMON_GU = {
     "n_slots": "i32",
     "F": "i32",
     "K": "i32",
+    "xplane": "i32",
     "clamp": "fp32",
 }
 
@@ -219,11 +236,11 @@ def compile_only() -> None:
             **_GU_SIG,
             **_COMMON_GU,
         }
-        for d in (True, False):
-            consts = {"BN": bn, "CLAMP": True, "SPLIT": False, "DP4A": d}
+        for d, t in ((True, 1), (True, 2), (False, 2)):
+            consts = {"BN": bn, "CLAMP": True, "SPLIT": False, "TERMS": t, "DP4A": d}
             runs.append(
                 (
-                    f"gu int8 bn{bn} w{w}{'' if d else ' int32'}",
+                    f"gu int8 bn{bn} w{w} t{t}{'' if d else ' int32'}",
                     moe._iq2_q8k_gate_up_kernel,
                     int_sig,
                     consts,
@@ -258,15 +275,16 @@ def compile_only() -> None:
             "out_ptr": "*fp32",
             "D": "i32",
             "F": "i32",
+            "xplane": "i32",
             "kt_per_split": "i32",
         }
-        for d in (True, False):
+        for d, t in ((True, 1), (True, 2), (False, 2)):
             runs.append(
                 (
-                    f"dn int8 bn{bn} w{w}{'' if d else ' int32'}",
+                    f"dn int8 bn{bn} w{w} t{t}{'' if d else ' int32'}",
                     moe._q2k_q8k_down_kernel,
                     int_sig,
-                    {"BN": bn, "DP4A": d},
+                    {"BN": bn, "TERMS": t, "DP4A": d},
                     w,
                     bn * 256,
                 )
@@ -275,10 +293,10 @@ def compile_only() -> None:
         try:
             regs, n, bars = _sass_loop(_compile(fn, sig, consts, warps).asm["cubin"])
         except Exception as exc:  # noqa: BLE001 - report every kernel
-            say(f"  {label:26s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+            say(f"  {label:29s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
             continue
         per = n / (weights / (32 * warps)) if n else float("nan")
-        say(f"  {label:26s} {regs:8s} loop {n:4d} instr/thread ({bars} BAR): {per:5.2f} per weight")
+        say(f"  {label:29s} {regs:8s} loop {n:4d} instr/thread ({bars} BAR): {per:5.2f} per weight")
 
 
 def main() -> None:
@@ -295,7 +313,7 @@ def main() -> None:
     d_expert = layers[0][2].nbytes() / E
     say(f"{LAYERS} layers built in {time.time() - t0:.1f} s; per expert: gate+up {gu_expert / 1e6:.2f} MB, "
         f"down {d_expert / 1e6:.2f} MB")  # fmt: skip
-    best: dict[str, dict[str, str]] = {}
+    best: dict[str, dict[str, dict[str, str | float]]] = {}  # B -> t1/t2 -> best tiles and us per layer
     for b in BATCHES:
         if time.time() - t0 > 90:
             say(f"B = {b}: skipped (time budget)")
@@ -307,7 +325,7 @@ def main() -> None:
         rw = [torch.rand(b, TOPK, device=DEV, generator=GEN) for _ in range(LAYERS)]
         uniq = statistics.mean(len(set(i.reshape(-1).tolist())) for i in ids)  # distinct experts per call
         say(f"B = {b}: {b * TOPK} pairs, {uniq:.1f} distinct experts per layer")
-        say(f"  {'kernel':26s} {'us/call':>9s} {'TB/s':>6s}  {'err vs f32 ref':>14s} {'vs int twin':>11s}")
+        say(f"  {'kernel':29s} {'us/call':>9s} {'TB/s':>6s}  {'err vs f32 ref':>14s} {'vs int twin':>11s}")
         rows: dict[str, dict[str, float]] = {"gu": {}, "dn": {}}
         for op, variants, nbytes in (("gu", GU, gu_expert), ("dn", DOWN, d_expert)):
             for label, cfg in variants:
@@ -325,22 +343,23 @@ def main() -> None:
                 try:
                     t, how = time_calls(calls)
                 except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
-                    say(f"  {op} {label:23s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+                    say(f"  {op} {label:26s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
                     continue
                 rows[op][label] = t
                 e_ref, e_twin = errs[f"{op} {label}"]
                 twin = f"{e_twin:11.1e}" if e_twin is not None else " " * 11
-                say(f"  {op} {label:23s} {t * 1e6:9.1f} {uniq * nbytes / t / 1e12:6.2f}  {e_ref:14.1e} {twin}"
+                say(f"  {op} {label:26s} {t * 1e6:9.1f} {uniq * nbytes / t / 1e12:6.2f}  {e_ref:14.1e} {twin}"
                     f"{'' if how == 'graph' else ' (eager)'}")  # fmt: skip
         cur = rows["gu"].get("current", 0.0) + rows["dn"].get("current", 0.0)
-        int8 = {op: {k: v for k, v in r.items() if k != "current"} for op, r in rows.items()}
-        if all(int8.values()):
-            bg = min(int8["gu"], key=int8["gu"].get)
-            bd = min(int8["dn"], key=int8["dn"].get)
-            new = int8["gu"][bg] + int8["dn"][bd]
-            say(f"  per layer: current {cur * 1e6:.1f} us, best int8 {new * 1e6:.1f} us ({bg} / {bd}); "
-                f"x43 layers: {cur * 43e3:.2f} -> {new * 43e3:.2f} ms per token")  # fmt: skip
-            best[str(b)] = {"gate_up": bg, "down": bd}
+        for t in (1, 2):
+            int8 = {op: {k: v for k, v in r.items() if k.endswith(f" t{t}")} for op, r in rows.items()}
+            if all(int8.values()):
+                bg = min(int8["gu"], key=int8["gu"].get)
+                bd = min(int8["dn"], key=int8["dn"].get)
+                new = int8["gu"][bg] + int8["dn"][bd]
+                say(f"  per layer: current {cur * 1e6:.1f} us, best int8 t{t} {new * 1e6:.1f} us "
+                    f"({bg} / {bd}); x43 layers: {cur * 43e3:.2f} -> {new * 43e3:.2f} ms/token")  # fmt: skip
+                best.setdefault(str(b), {})[f"t{t}"] = {"gate_up": bg, "down": bd, "us": new * 1e6}
     say(f"total {time.time() - t0:.0f} s")
     out = [a for a in sys.argv[1:] if not a.startswith("--")]
     if out:
