@@ -3,7 +3,7 @@
 Legend: T queries of the chunk, H heads, D = head_dim, N raw rows, W = window, C compressed rows, k
 compressed rows listed per query (indexer top-k, or all C), BH heads per program, BN keys per inner block.
 
-  attend_prefill(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype=None)
+  attend_prefill(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype=None, cfg=None)
       -> o [T, H, D] f32
       query t (position p0 + t) sees the raw rows at positions (p0 + t - window, p0 + t] that exist in raw
       (raw [N, D] holds positions raw_p0 .. raw_p0 + N - 1), plus the compressed rows comp[comp_idx[t, j]]
@@ -13,8 +13,14 @@ compressed rows listed per query (indexer top-k, or all C), BH heads per program
 This is the contract of ds4.model.cuda.layer._sink_attention_chunk (with scale = D**-0.5 there): products in
 `dtype` (bf16 at Flash size: bf16 operands, f32 accumulation, f32 softmax; f32: exact products), but with no
 gathered [T, k, D] keys, no [T, H, n] scores and one launch: program (t, head block) runs an online softmax
-over the window's rows, then over its compressed rows block by block through comp_idx. An entry of comp_idx
-that is invalid (comp_valid False) or out of 0..C-1 is never read.
+over the window's rows, then over its compressed rows block by block through comp_idx, up to its last valid
+entry. An entry of comp_idx that is invalid (comp_valid False) or out of 0..C-1 is never read (an
+out-of-range valid entry is skipped, where the torch path would fail). Tiling: PrefillConfig (cfg), default
+PREFILL_CFG, chosen from sm_90 builds (no register spills at D 512), not yet from timings.
+
+In the model (ds4.model.cuda.layer.attention_prefill) the call is
+  attend_prefill(q, raw, p0 - n_prev, p0, W, comp, idx, valid, w.sinks, D**-0.5, dtype=dtype)
+in place of _sink_attention_chunk(q, raw, p0 - n_prev, positions, W, comp, idx, valid, w.sinks, dtype).
 
 Dispatches to Triton on CUDA tensors (or under TRITON_INTERPRET=1) and to the torch twin
 `attend_prefill_ref` elsewhere. Positions are host ints; comp_idx / comp_valid are read on the device.
@@ -42,7 +48,9 @@ class PrefillConfig(NamedTuple):
     stages: int  # software-pipeline stages of the key loops
 
 
-PREFILL_CFG = PrefillConfig(bh=16, bn=16, warps=4, stages=2)
+# sm_90 builds at D 512 (bf16): bh32 bn32 w8 s2 199 regs, bh16 bn16 w4 s2 165 regs, no spills; bh16 bn32 w4
+# and bh64 spill. bh32 halves the L2 reads of the gathered rows (4096 x 640 rows of 1 KB per head block).
+PREFILL_CFG = PrefillConfig(bh=32, bn=32, warps=8, stages=2)
 VALID_BLOCK = 128  # comp_valid entries per step of the pass that finds each query's last valid one
 LOG2E = math.log2(math.e)
 

@@ -49,7 +49,7 @@ CONFIGS = [
         (64, 16, 8, 2),
     )
 ]
-QUICK = [CONFIGS[0], CONFIGS[2], CONFIGS[5]]
+QUICK = [CONFIGS[0], CONFIGS[4], CONFIGS[5], CONFIGS[6]]
 TOL = 1e-2
 
 
