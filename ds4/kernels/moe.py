@@ -420,8 +420,8 @@ def _iq2_q8k_gate_up_kernel(
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
 ):
-    """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/4] int32 words, planes
-    xplane = B K / 4 words apart; dx [B, K/256]); outputs as _gate_up_kernel."""
+    """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/8] int64: one group's 8
+    int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -430,18 +430,20 @@ def _iq2_q8k_gate_up_kernel(
     wrow = e * F + tl.minimum(n, F - 1)
     nb = K // 256
     b = (pair // n_slots).to(tl.int64)
-    xo = xw_ptr + b * (K // 4)
-    xg = (tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]) * 2  # [1, 8, 4] group's x word
+    xo = xw_ptr + b * (K // 8)
+    xg = tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, 8, 4] group's 8 x bytes
     lo = pid_s * kt_per_split
     hi = tl.minimum(lo + kt_per_split, nb)
     acc_g = tl.zeros([BN, 8, 4], dtype=tl.float32)  # per-lane partial sums, reduced after the loop
     acc_u = tl.zeros([BN, 8, 4], dtype=tl.float32)
     for kt in range(lo, hi):
-        xlo = tl.load(xo + kt * 64 + xg)
-        xhi = tl.load(xo + kt * 64 + xg + 1)
+        x8 = tl.load(xo + kt * 32 + xg)  # int64: elements 0-3 (low word), 4-7 (high word)
+        xlo = x8.to(tl.int32)
+        xhi = (x8 >> 32).to(tl.int32)
         if TERMS == 2:
-            x2lo = tl.load(xo + xplane + kt * 64 + xg)
-            x2hi = tl.load(xo + xplane + kt * 64 + xg + 1)
+            x8 = tl.load(xo + xplane + kt * 32 + xg)
+            x2lo = x8.to(tl.int32)
+            x2hi = (x8 >> 32).to(tl.int32)
         else:  # unused
             x2lo = xlo
             x2hi = xhi
@@ -646,8 +648,8 @@ def moe_gate_up(
         xq, dx = quantize_q8k(x, cfg.terms)
         g, u, tab, ksm = wg.data, wu.data, iq2xxs_grid_i64(x.device), _iq2_sign_masks(x.device)
         _iq2_q8k_gate_up_kernel[grid](
-            xq.view(torch.int32), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
-            k, F, K, B * K // 4, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
+            xq.view(torch.int64), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
+            k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
             TERMS=cfg.terms, DP4A=_dp4a(x, cfg), num_warps=cfg.warps,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:

@@ -228,7 +228,7 @@ def compile_only() -> None:
         consts = {"QT": 16, "BN": bn, "TK": 256, "SW": sub_width(w_iq2, 256), "CLAMP": True, "SPLIT": False}
         runs.append((f"gu current bn{bn} w{w}", moe._gate_up_kernel, cur_sig, consts, w, 2 * bn * 256))
         int_sig = {
-            "xw_ptr": "*i32",
+            "xw_ptr": "*i64",
             "dx_ptr": "*fp32",
             "tab64": "*i64",
             "ksm": "*i64",
