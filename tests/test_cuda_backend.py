@@ -23,6 +23,7 @@ from conftest import OFFICIAL_TINY
 
 from ds4.engine.session import Session
 from ds4.gguf import open_model
+from ds4.kernels import moe
 from ds4.model.cuda import CudaModel, gguf_source
 
 REL_TOL = 2e-2  # max |dlogit| / std(logits)
@@ -236,7 +237,9 @@ def test_device_path_on_cpu_matches_reference_on_tiny_q2(monkeypatch, fast: bool
     for before, after in zip([{"fp8": 0, "fp4": 0}, *counts], counts, strict=False):  # every site patched
         assert all(after[k] > before[k] for k in after), f"a round trip was not replaced: {counts}"
     rel = check_close(torch.stack(got).numpy(), torch.stack(want).numpy(), "tiny q2")
-    assert rel < 1e-4  # float32 both sides: only summation order differs
+    # float32 both sides: only summation order differs; the kernel layout's routed experts take their
+    # activations as two-term Q8_K integers (ds4.kernels.moe: ~3e-5 of each expert output; one term: ~1 %)
+    assert rel < (2e-3 if fast and moe.GATE_UP.int8 else 1e-4)
 
 
 def test_device_session_rewind_and_reset_in_place(official_gguf):

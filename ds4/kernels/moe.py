@@ -9,7 +9,7 @@ multiplies each pair's down projection by weights[b, j] before summing over j. B
 sum_j Wd[e_j] @ (w_j * mid_j), the formula of model.md §5.5 (weight applied before the down projection), up to
 f32 rounding.
 
-MoeConfig.int8 (env DS4_MOE_INT8=1: in the defaults) selects the integer kernels for IQ2_XXS gate/up and
+MoeConfig.int8 (the default; env DS4_MOE_INT8=0: the f32 kernels) selects the integer kernels for IQ2_XXS gate/up and
 Q2_K down: x and mid quantized per 256 values to int8 planes, integer dots. MoeConfig.terms = 1 is the C
 original's Q8_K (model.md §14, ~1 % of the output scale off the f32 path); terms = 2 (default) adds a second
 int8 plane holding the rounding residual (ref.quantize_q8k), ~250x smaller error for two dp4a instead of one.
@@ -557,12 +557,12 @@ class MoeConfig:
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
 # Measured 2026-11-29 on an H200 (Flash widths, 6 of 256 experts, cold L2): general kernels, gate+up bn 8
 # 89 us (bn 16: 115; k-splits 2-8 slower), down bn 32 39-62 us; the dedicated kernels (fast=True) 132 / 62 us.
-# Env DS4_MOE_INT8=1: the defaults run the Q8_K integer kernels, with their best tiles measured on the H200
-# (tools/gpu/bench_moe.py, B = 1/8/32: gate+up bn 16 40 us vs bn 8 56 us; down bn 64 25 us vs bn 32 26 us).
-# Off by default so far: one-term Q8_K (~1 % of the output scale) exceeded the CUDA-vs-reference tolerance;
-# two terms (the default of MoeConfig.terms) are ~250x closer, their H200 timing is pending. To make the int8
-# kernels the default, change the "0" below to "1".
-_INT8 = os.environ.get("DS4_MOE_INT8", "0") == "1"
+# Default: the Q8_K integer kernels with two-term activations (env DS4_MOE_INT8=0: the f32 kernels above).
+# H200, tools/gpu/bench_moe.py (session 3), us per layer call, Flash widths: B = 1 gate+up bn 16 43.9 (f32
+# kernel 86.1), down bn 64 26.5 (35.0); B = 32 1,109 / 495 (2,375 / 846); two terms cost 3-7 % over one term
+# and are ~250x closer to the f32 reference (3e-5 of the output scale vs ~1 %, which had failed the
+# CUDA-vs-reference tolerance).
+_INT8 = os.environ.get("DS4_MOE_INT8", "1") == "1"
 GATE_UP = MoeConfig(bn=16, splits=1, int8=True) if _INT8 else MoeConfig(bn=8, splits=1)
 DOWN = MoeConfig(bn=64, splits=1, int8=True) if _INT8 else MoeConfig(bn=32, splits=1)
 
