@@ -44,6 +44,10 @@ try:  # decode attention / compressor kernels over pool-layout buffers (their to
     from ds4.kernels import compress as compress_k
 except ImportError:  # pragma: no cover - no triton
     attend_k = compress_k = None
+try:  # chunk prefill attention reading the gathered compressed rows in place (no [T, k, D] copies)
+    from ds4.kernels.attend_prefill import attend_prefill
+except ImportError:  # pragma: no cover - no triton
+    attend_prefill = None
 
 SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key temporaries
 
@@ -471,7 +475,10 @@ def attention_prefill(w, shape: AttentionShape, kv: DeviceLayerKV, xn, p0: int, 
     n_prev = min(p0, W - 1)  # earlier rows any token of the chunk can still see
     prev = kv.raw[torch.remainder(torch.arange(p0 - n_prev, p0, device=xn.device), W)]
     raw = torch.cat([prev, rows])  # [N, D] at positions p0 - n_prev ..
-    o = _sink_attention_chunk(q, raw, p0 - n_prev, positions, W, comp, idx, valid, w.sinks, dtype)
+    if attend_prefill is not None and fused.TRITON_FUSED:  # one Triton launch (its torch twin off CUDA)
+        o = attend_prefill(q, raw, p0 - n_prev, p0, W, comp, idx, valid, w.sinks, shape.head_dim**-0.5, dtype)
+    else:
+        o = _sink_attention_chunk(q, raw, p0 - n_prev, positions, W, comp, idx, valid, w.sinks, dtype)
     keep = min(T, W)  # the ring keeps the last W rows
     kv.raw[torch.remainder(positions[-keep:], W)] = rows[-keep:]
     o = rope_tail(o, positions, inv_freq, inverse=True)
