@@ -55,26 +55,33 @@ def _region(ev) -> str:
 
 
 def table(prof, title: str) -> None:
-    """Kernel time by innermost region (exclusive: each kernel counted once) and by kernel name."""
-    regions, kernels = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    """Kernel time by innermost region (exclusive: each kernel counted once) and by kernel name. Kernels
+    the profiler does not link to a CPU op (Triton's driver-API launches) are listed as "unattributed"."""
+    regions = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         for k in getattr(ev, "kernels", []):
-            t = k.duration  # us
             r = regions[_region(ev)]
             r[0] += 1
-            r[1] += t
-            row = kernels[k.name[:80]]
-            row[0] += 1
-            row[1] += t
+            r[1] += k.duration  # us
+    kernels = defaultdict(lambda: [0, 0.0])
+    for ev in prof.key_averages():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = getattr(ev, "self_device_time_total", None)
+        row = kernels[ev.key[:80]]
+        row[0] += ev.count
+        row[1] += ev.self_cuda_time_total if t is None else t
     total = sum(t for _, t in kernels.values())
-    n = sum(c for c, _ in kernels.values())
+    n = sum(int(c) for c, _ in kernels.values())
+    linked = sum(t for _, t in regions.values())
+    regions["unattributed (Triton launches)"] = [n - sum(c for c, _ in regions.values()), total - linked]
     print(f"\n== {title}: {total / 1e3:.2f} ms GPU in {n} kernels")
     print(f"{'ms':>9} {'share':>6} {'kernels':>7}  region (innermost)")
     for k, (c, t) in sorted(regions.items(), key=lambda kv: -kv[1][1]):
-        print(f"{t / 1e3:>9.3f} {100 * t / max(total, 1):>5.1f}% {c:>7}  {k}")
+        print(f"{t / 1e3:>9.3f} {100 * t / max(total, 1):>5.1f}% {int(c):>7}  {k}")
     print(f"{'ms':>9} {'share':>6} {'calls':>7}  kernel")
     for k, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:35]:
-        print(f"{t / 1e3:>9.3f} {100 * t / max(total, 1):>5.1f}% {c:>7}  {k}")
+        print(f"{t / 1e3:>9.3f} {100 * t / max(total, 1):>5.1f}% {int(c):>7}  {k}")
 
 
 def main() -> int:
