@@ -9,10 +9,11 @@ multiplies each pair's down projection by weights[b, j] before summing over j. B
 sum_j Wd[e_j] @ (w_j * mid_j), the formula of model.md §5.5 (weight applied before the down projection), up to
 f32 rounding.
 
-MoeConfig.int8 (the default; env DS4_MOE_INT8=0: the f32 kernels) selects the integer kernels for IQ2_XXS gate/up and
-Q2_K down: x and mid quantized per 256 values to int8 planes, integer dots. MoeConfig.terms = 1 is the C
-original's Q8_K (model.md §14, ~1 % of the output scale off the f32 path); terms = 2 (default) adds a second
-int8 plane holding the rounding residual (ref.quantize_q8k), ~250x smaller error for two dp4a instead of one.
+MoeConfig.int8 (the default; env DS4_MOE_INT8=0: the f32 kernels) selects the integer kernels for IQ2_XXS
+gate/up and Q2_K down: x and mid quantized per 256 values to int8 planes, integer dots. MoeConfig.terms = 1
+is the C original's Q8_K (model.md §14, ~1 % of the output scale off the f32 path); terms = 2 (default) adds
+a second int8 plane holding the rounding residual (ref.quantize_q8k), ~250x smaller error for two dp4a
+instead of one.
 
 For larger batches (prefill), sort the pairs by expert with ``group_by_expert`` and use matmul.moe_grouped.
 
