@@ -23,11 +23,12 @@ CUDA-graph capturable); the launch grids depend only on shapes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .dispatch import require as _check
+from .dispatch import use_triton as _use_triton
 
 # Tiling (to be tuned on the H200): heads per program, keys per inner block, splits aimed at this many
 # programs in all (about two per SM), rows per indexer program and per inner dot.
@@ -285,15 +286,6 @@ def _indexer_kernel(
 
 # =========================================================================================================
 # Dispatchers
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def _check_attend(q, raw, slot, pos, comp, comp_idx, ratio, sinks, inv_freq) -> None:

@@ -29,12 +29,14 @@ Dispatches to Triton on CUDA tensors (or under TRITON_INTERPRET=1) and to the to
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from .dispatch import require as _check
+from .dispatch import use_triton as _use_triton
 
 SCORE_BUDGET = 1 << 24  # elements of one query block's scores / gathered keys in the torch twin
 
@@ -233,15 +235,6 @@ def _prefill_triton(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sink
 
 # =========================================================================================================
 # Dispatcher
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def _check_args(q, raw, raw_p0, p0, window, comp, comp_idx, comp_valid, sinks) -> None:

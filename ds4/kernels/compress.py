@@ -28,8 +28,6 @@ plain torch (ds4.model.quantsim for the indexer's QAT, as the reference model); 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +35,8 @@ import triton.language as tl
 from ds4.model import quantsim
 
 from . import ref
+from .dispatch import require as _check
+from .dispatch import use_triton as _use_triton
 from .fused import _round_e4m3
 
 EMPTY_SCORE = -1e30  # = ds4.model.state.EMPTY_SCORE: an empty frontier row's score (softmax weight 0)
@@ -44,10 +44,6 @@ _EMPTY = tl.constexpr(EMPTY_SCORE)  # the same, readable inside the kernel
 FP8_BLOCK, FP4_BLOCK = 64, 32
 FP4_AMAX_FLOOR = 6.0 * torch.finfo(torch.float32).tiny
 TILE = 4096  # elements of one [rows, columns] tile (pooling: candidates x h; shift: frontier rows x c h)
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -201,11 +197,6 @@ def _compress_decode_kernel(
 
 # ---------------------------------------------------------------------------------------------------------
 # Dispatcher and twin
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def _shapes(kv_new, score_new, ape, fk, fs, rows, slot, pos, norm, inv_freq, n_rot, indexer):

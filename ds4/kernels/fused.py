@@ -17,28 +17,19 @@ round trip is bit-exact (power-of-two scale from the exponent bits, RNE by the 2
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from . import ref
+from .dispatch import require as _check
+from .dispatch import use_triton as _use_triton
 from .hc import sinkhorn_tile
 
 FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
 FP8_BLOCK = 64
 HC_CHUNK = 128  # K elements per program of the split-K mixing projection (128 programs at Flash shapes)
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ Legend: B activation rows, N output rows, K row length, BB/BN rows per program, 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,17 +26,13 @@ import triton.language as tl
 from ds4.quant.types import GGMLType
 
 from . import ref
+from .dispatch import use_triton
 from .packing import PLAIN_DTYPES, PackedWeight, iq2xxs_grid_i64
 
 TARGET_PROGRAMS = 1024  # ~8 per SM on an H200 (132 SMs): enough loads in flight to reach peak bandwidth
 # Weight rows per program at B = 1 (DECODE_ROWS / BB for BB rows of x). 16 keeps IQ2_XXS at ~100 registers a
 # thread on sm_90 (193 at 32), so more programs fit per SM; bench --sweep times the alternatives.
 DECODE_ROWS = 16
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Run the Triton kernels for tensors on CUDA, or anywhere under TRITON_INTERPRET=1 (tests)."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
