@@ -12,6 +12,14 @@ f32; ids are read on the device (no host syncs: CUDA-graph capturable once the k
   moe.group_by_expert(ids [T, k], E) -> (order [T*k], offsets [E+1])             for the grouped GEMM
   matmul.qmatmul(x [M, K], W [N, K]) -> [M, N]                 prefill; bf16 tensor cores
   matmul.moe_grouped(x_sorted [M, K], W [E, N, K], offsets [E+1]) -> [M, N]     prefill; bf16 tensor cores
+  matmul.moe_swiglu_grouped(x, Wg, Wu, offsets, row_weights, clamp) -> mid [M, F]  prefill gate+up+SwiGLU
+  matmul.dequant_experts(W [E, N, K], ids) -> bf16 [n, N, K]   the experts' weights once per chunk (scratch)
+  matvec.hmatvec(x [B, K], W [N, K] f16/bf16) -> [B, N]       decode side matrices (compressor, router, ...)
+  attend.attend_decode(q [B, H, D], pool ring / compressed rows by slot, ...) -> o [B, H, D]   decode
+  attend.indexer_scores(qi [B, Hi, Di], wts [B, Hi], rows [S, cap, Di], slot, count) -> [B, cap]
+  attend_prefill.attend_prefill(q [T, H, D], raw, comp rows by index, ...) -> o [T, H, D]       prefill
+  compress.compress_decode(kv, score, ape, frontiers [S, ...], rows [S, cap, h], slot, pos, ...)  in place
+  fused.*: HC pre/post, q / kv norm + RoPE (+ FP8), router top-k                              decode
 Supported weight types: F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS (row length a multiple of 256 for K-quants,
 of 16 otherwise).
 """
