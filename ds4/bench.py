@@ -13,9 +13,11 @@ its state copied into N pool sessions (no N prefills); G = gen-tokens batched gr
 are timed (median of --repeats; EOS excluded; row i starts from the greedy token shifted by i so the
 streams route to different experts), then the time to first token of a new request of --ttft-prompt
 tokens, submitted to ds4.engine.Scheduler (prefill budget --prefill-budget tokens per step) while N - 1
-streams decode. One CSV row per frontier:
+streams decode, twice: ttft_first_s is the first such request of the process (it also pays the JIT compiles
+of the prefill kernels at its slice shapes), ttft_s the second (steady state). One CSV row per frontier:
 
-    parallel,ctx_tokens,gen_tokens,step_ms,gen_tps_aggregate,weights_gbps,ttft_prompt,ttft_s,kv_pool_bytes
+    parallel,ctx_tokens,gen_tokens,step_ms,gen_tps_aggregate,weights_gbps,ttft_prompt,ttft_s,ttft_first_s,
+    kv_pool_bytes
 
 `--synthetic flash-q2|flash-q4` builds full-size random Flash weights directly on the GPU (no file); its
 prompt tokens are the text's UTF-8 bytes spread over the vocabulary (random weights: token identity does
@@ -55,6 +57,7 @@ PARALLEL_COLUMNS = [
     "weights_gbps",
     "ttft_prompt",
     "ttft_s",
+    "ttft_first_s",
     "kv_pool_bytes",
 ]
 SYNTHETIC = {"flash-q2": "q2", "flash-q4": "q4"}
@@ -485,6 +488,7 @@ def run_parallel(a: argparse.Namespace, out, loaded: Loaded) -> list[dict]:
         base = backend.base
         backend.prefill(base, tokens[len(base.tokens) : f])  # only the new interval
         t = time_batched(model, backend, loaded.eos, a.gen_tokens, a.repeats, sync)
+        first = time_to_first_token(model, backend, a, loaded.eos, sync)  # incl. any kernel compiles
         ttft = time_to_first_token(model, backend, a, loaded.eos, sync)
         row = {
             "parallel": n,
@@ -495,6 +499,7 @@ def run_parallel(a: argparse.Namespace, out, loaded: Loaded) -> list[dict]:
             "weights_gbps": f"{step_bytes * a.gen_tokens / t / 1e9:.2f}",
             "ttft_prompt": a.ttft_prompt,
             "ttft_s": f"{ttft:.4f}",
+            "ttft_first_s": f"{first:.4f}",
             "kv_pool_bytes": pool_bytes,
         }
         writer.writerow(row)

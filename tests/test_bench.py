@@ -112,7 +112,7 @@ def test_tiny_cpu_parallel(tmp_path):
         assert (int(r["parallel"]), int(r["gen_tokens"]), int(r["ttft_prompt"])) == (3, 2, 12)
         step, tps = float(r["step_ms"]), float(r["gen_tps_aggregate"])
         assert step > 0 and abs(tps - 3 * 1e3 / step) <= 0.02 * tps  # 3 tokens per step
-        assert float(r["ttft_s"]) > 0 and float(r["weights_gbps"]) > 0
+        assert float(r["ttft_s"]) > 0 and float(r["ttft_first_s"]) > 0 and float(r["weights_gbps"]) > 0
         assert int(r["kv_pool_bytes"]) == 0  # CPU states: no device pool
 
 
