@@ -19,7 +19,6 @@ import os
 import torch
 
 from ds4.model.attention import AttentionShape, CompressorWeights
-from ds4.model.block import LayerWeights
 from ds4.model.cuda import fused
 from ds4.model.cuda.experts import routed_decode, swiglu_mid
 from ds4.model.cuda.layer import (
@@ -225,9 +224,11 @@ def _routed_grouped(xf, ids, weights, m, clamp):
     return torch.zeros(B, out.shape[1], dtype=torch.float32, device=xf.device).index_add_(0, rows, out)
 
 
-def decode_layer_batch(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, tokens, pos, slot, dtype, side=None):
-    """X [B, S, d] -> [B, S, d] for B tokens (tokens/pos/slot [B] device tensors) over pool layer kv; side:
-    the layer's SideMatrices or None."""
+def decode_layer_batch(blk, kv, X, tokens, pos, slot):
+    """X [B, S, d] -> [B, S, d] for B tokens (tokens/pos/slot [B] device tensors) over pool layer kv; blk: the
+    layer (ds4.model.block.Block: cfg, il, w, shape, inv_freq; `side`, its SideMatrices, if set)."""
+    cfg, il, w, shape, inv_freq = blk.cfg, blk.il, blk.w, blk.shape, blk.inv_freq
+    side = getattr(blk, "side", None)
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
     xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)

@@ -324,9 +324,11 @@ def route_decode(w, xf, token, k: int, scale: float, normalize: bool, side: Side
     return weights * scale, ids
 
 
-def decode_layer(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, token, pos, dtype, slot=None, side=None):
-    """X [1, S, d] -> [1, S, d] for one token (token [1], pos [1] device tensors; slot: a device zero [1],
-    side: the layer's SideMatrices or None)."""
+def decode_layer(blk, kv, X, token, pos, slot=None):
+    """X [1, S, d] -> [1, S, d] for one token (token [1], pos [1] device tensors; slot: a device zero [1]).
+    blk: the layer (ds4.model.block.Block: cfg, il, w, shape, inv_freq; `side`, its SideMatrices, if set)."""
+    cfg, il, w, shape, inv_freq = blk.cfg, blk.il, blk.w, blk.shape, blk.inv_freq
+    side = getattr(blk, "side", None)
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
     xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)
@@ -485,8 +487,10 @@ def attention_prefill(w, shape: AttentionShape, kv: DeviceLayerKV, xn, p0: int, 
     return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
 
 
-def prefill_layer(cfg, il, w: LayerWeights, shape, inv_freq, kv, X, tokens, p0: int, dtype):
-    """X [T, S, d] -> [T, S, d] for a chunk at positions p0..; tokens [T] device ids."""
+def prefill_layer(blk, kv, X, tokens, p0: int, dtype):
+    """X [T, S, d] -> [T, S, d] for a chunk at positions p0..; tokens [T] device ids; blk: the layer
+    (ds4.model.block.Block: cfg, il, w, shape, inv_freq)."""
+    cfg, il, w, shape, inv_freq = blk.cfg, blk.il, blk.w, blk.shape, blk.inv_freq
     hc = dict(iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
     x, post, comb = hc_pre(X, w.hc_attn, **hc)
     xn = rms_norm(x, w.attn_norm, cfg.rms_eps)

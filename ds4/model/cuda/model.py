@@ -156,7 +156,7 @@ class CudaModel:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         X = self._embed(ids)
         for blk, kv in zip(self.layers, state.layers, strict=True):
-            X = prefill_layer(self.cfg, blk.il, blk.w, blk.shape, blk.inv_freq, kv, X, ids, p0, self.dtype)
+            X = prefill_layer(blk, kv, X, ids, p0, self.dtype)
         state.n_tokens = p0 + len(tokens)
         return self.logits(X[-1:])[0]
 
@@ -170,20 +170,7 @@ class CudaModel:
         X = self._embed(token)
         slot = torch.zeros_like(pos)  # the single state is slot 0 of a one-slot pool for the decode kernels
         for blk, kv in zip(self.layers, state.layers, strict=True):
-            X = decode_layer(
-                self.cfg,
-                blk.il,
-                blk.w,
-                blk.shape,
-                blk.inv_freq,
-                kv,
-                X,
-                token,
-                pos,
-                self.dtype,
-                slot,
-                blk.side,
-            )
+            X = decode_layer(blk, kv, X, token, pos, slot)
         return self.logits(X)
 
     def _decode(self, state: DeviceKVState, token: int) -> torch.Tensor:
@@ -233,20 +220,7 @@ class CudaModel:
         slot, token, pos = inputs[0], inputs[1], inputs[2]
         X = self._embed(token)  # [B, S, d]
         for blk, kv in zip(self.layers, pool.layers, strict=True):
-            X = decode_layer_batch(
-                self.cfg,
-                blk.il,
-                blk.w,
-                blk.shape,
-                blk.inv_freq,
-                kv,
-                X,
-                token,
-                pos,
-                slot,
-                self.dtype,
-                blk.side,
-            )
+            X = decode_layer_batch(blk, kv, X, token, pos, slot)
         return self.logits(X)
 
     @torch.inference_mode()
