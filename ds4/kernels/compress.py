@@ -13,7 +13,7 @@ fk / fs / rows IN PLACE, row b touching only pool slot slot[b] (the model.md §6
      h - R dims (64-blocks) or, for the indexer, Hadamard-h + FP4 E2M1 (32-blocks);
   4. if pos % r == r - 1 the row is stored at rows[slot, min(pos // r, cap - 1)] and the frontier shifts
      (c == 2: current window -> previous, current emptied; else emptied): kv 0, score EMPTY_SCORE.
-The torch version (ds4.model.cuda.layer._compress_step / batch._compress_step) is ~20-25 tiny kernels per
+The torch version (ds4.model.cuda.batch._compress_step) is ~20-25 tiny kernels per
 call; here one program per row b does it all (graph-capturable: no host sync, no data-dependent shape).
 Padded rows of a batch may share a scratch slot; the slots of the other rows must be distinct. The frontier
 rows after a token's row must be empty (kv 0, score EMPTY_SCORE), as the model always keeps them: the

@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from ds4.bench import synthetic_model  # noqa: E402
 from ds4.model.cuda import fused, layer  # noqa: E402
 
-DECODE = ["lin", "_compress_step", "route_decode", "routed_decode", "grouped_output", "_top_rows"]
-FUSED = ["hc_pre_norm", "hc_post", "attend", "q_post", "kv_post", "indexer_q_post", "pool_row", "swiglu_mid"]
+DECODE = ["lin", "attention_decode_pool", "route_decode", "routed_decode", "shared_gate_up", "_top_rows"]
+FUSED = ["hc_pre_norm", "hc_post", "q_post", "kv_post", "indexer_q_post", "swiglu_mid"]
 PREFILL = [
     "hc_pre", "hc_post", "_qkv", "_chunk_rows", "_indexer_pick", "_sink_attention_chunk", "routed_prefill",
     "route", "swiglu", "attention_prefill", "_ffn", "rope_tail",

@@ -1,15 +1,17 @@
-"""One decode step of B sessions of one KVPool, each at its own position (issue 8), graph-safe.
+"""One decode step of B sessions of one KVPool, each at its own position (issue 8), graph-safe; a single
+state runs it too, as a one-slot pool (B = 1, slot 0: DeviceLayerKV.as_pool).
 
 Legend: B rows of the step (sessions, padded to a bucket), N + 1 pool slots, S HC streams, d = n_embd,
 H heads, D = head_dim, W = window, r = ratio, c = 2 if r == 4 else 1, h = compressed row width, cap =
 compressed-row capacity, k = indexer top-k (or cap when every row fits), Hi/Di indexer heads/dim.
 
-Same math as the single-session decode (ds4.model.cuda.layer: attention_decode, _compress_step,
-decode_layer), row by row: row b reads and writes only pool slot slot[b] at position pos[b] (its raw ring,
-compressor frontiers, compressed rows, its own indexer top-k and visibility). Pool writes go through
-flattened index_copy_ / torch.where on device tensors: no host sync and no data-dependent shape, so a CUDA
-graph can capture a step. Padded rows point at the pool's scratch slot (duplicate writes there are harmless).
-The per-token work (projections, HC, router, MoE, head) is batched over the B rows.
+Attention goes through the kernels of ds4.kernels.compress / attend (layer.attention_decode_pool); with
+DS4_TRITON_FUSED=0 through the torch code below (the kernels' oracle in tests), row by row: row b reads and
+writes only pool slot slot[b] at position pos[b] (its raw ring, compressor frontiers, compressed rows, its
+own indexer top-k and visibility). Pool writes go through flattened index_copy_ / torch.where on device
+tensors: no host sync and no data-dependent shape, so a CUDA graph can capture a step. Padded rows point
+at the pool's scratch slot (duplicate writes there are harmless). The per-token work (projections, HC,
+router, MoE, head) is batched over the B rows.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ _fuse = fused.fuse(dynamic=True, when=_compile_on)  # one compile per piece for 
 def _advance(fk, fs, kv_new, score_new, pos, norm, inv_freq, r: int, eps: float, n_rot: int, indexer: bool):
     """One token into each row's frontier: fk/fs [B, c r, c h] (this token's kv_new/score_new [B, c h] at
     frontier row (r if r == 4 else 0) + pos % r) -> (finished row [B, h] (used where the window completes),
-    next fk, next fs). Same math as layer._compress_step / fused.pool_row, row by row."""
+    next fk, next fs). Same math as the CPU reference's compressor (ds4.model.attention), row by row."""
     overlap = r == 4
     h = norm.shape[0]
     at = (r if overlap else 0) + pos % r  # [B]

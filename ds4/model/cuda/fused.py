@@ -163,24 +163,6 @@ def indexer_q_post(qi, pos, inv_freq):
 
 
 @fuse
-def pool_row(cand_kv, cand_score, norm, start, inv_freq, eps: float, n_rot: int, indexer: bool):
-    """Softmax-pool a window's candidates [n, h] -> one finished row [1, h] (norm, RoPE at start, QAT)."""
-    pooled = (cand_kv * cand_score.softmax(dim=0)).sum(0, keepdim=True)
-    row = rope_real(rms_norm(pooled, norm, eps), start, inv_freq)
-    return indexer_qat(row) if indexer else _fp8_nope(row, n_rot)
-
-
-@fuse
-def attend(q, keys, valid, sinks, scale: float, pos, inv_freq):
-    """q [1, H, D] over keys [n, D] (valid [n]) with sinks -> de-rotated o [1, H, D]."""
-    s = (q[0] @ keys.T) * scale
-    s = s.masked_fill(~valid[None, :], float("-inf"))
-    s = torch.cat([s, sinks[:, None]], dim=1)
-    o = s.softmax(-1)[:, :-1] @ keys
-    return rope_real(o[None], pos, inv_freq, inverse=True)
-
-
-@fuse
 def swiglu_mid(g, u, clamp: float):
     if clamp > 0:
         g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)

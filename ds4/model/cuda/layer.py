@@ -6,8 +6,10 @@ capacity, k = indexer top-k (or every row when fewer exist), Hi/Di indexer heads
 
 The math is the CPU reference's (ds4.model.*), reusing its primitives (RMSNorm, RoPE, FP8/FP4 round trips,
 HC, router, compressor pooling); what differs is where state lives (DeviceKVState) and how the work is cut:
- * decode (`decode_layer`) reads the position from a device tensor and writes rows with index_copy_ and
-   torch.where, so it has no host sync and no data-dependent shape: a CUDA graph can capture it;
+ * decode pieces (`attention_decode_pool`, `route_decode`, `shared_gate_up`) read positions from device
+   tensors and write the pool-layout KV buffers in place, so they have no host sync and no data-dependent
+   shape: a CUDA graph can capture them. The step itself is ds4.model.cuda.batch.decode_layer_batch, for
+   B sessions of a pool or one state as a one-slot pool (DeviceLayerKV.as_pool);
  * prefill (`prefill_layer`) runs a chunk layer-major like the CPU path, attention in query blocks over the
    raw window + the compressed rows each query may see, and the routed experts grouped by expert.
 Big matrices may be bfloat16 (`lin` casts the activations); KV rows, scores and softmax stay float32.
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,6 @@ from ds4.model.moe import route
 from ds4.model.norm import rms_norm
 from ds4.model.quantsim import indexer_qat
 from ds4.model.rope import rope_tail
-from ds4.model.state import EMPTY_SCORE
 
 try:  # the packed-weight matvec kernels (another module's family); the dense path works without them
     from ds4.kernels.matvec import hmatvec, qmatvec, qmatvec_grouped
@@ -142,33 +142,6 @@ def _ffn(cfg, il: int, w: LayerWeights, X, tokens, *, decode: bool, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-def _compress_step(w: CompressorWeights, xn, pos, ratio, fk, fs, out_rows, inv_freq, eps, n_rot, indexer):
-    """Advance a frontier by one token (in place); when its window completes, write the row at pos // r."""
-    r, overlap = ratio, ratio == 4
-    h = w.norm.numel()
-    slot = pos % r  # [1]
-    cur = r if overlap else 0
-    fk.index_copy_(0, cur + slot, lin(xn, w.kv))
-    fs.index_copy_(0, cur + slot, lin(xn, w.gate) + w.ape.index_select(0, slot))
-    if overlap:  # candidates: previous window's first half + this window's second half
-        cand_kv = torch.cat([fk[:r, :h], fk[r:, h:]])  # [2r, h]
-        cand_score = torch.cat([fs[:r, :h], fs[r:, h:]])
-    else:
-        cand_kv, cand_score = fk, fs
-    row = fused.pool_row(cand_kv, cand_score, w.norm, pos - (r - 1), inv_freq, eps, n_rot, indexer)  # [1, h]
-    done = slot == r - 1  # [1] bool: this token completes a window
-    idx = torch.clamp(pos // r, max=out_rows.shape[0] - 1)
-    out_rows.index_copy_(0, idx, torch.where(done[:, None], row, out_rows.index_select(0, idx)))
-    if overlap:  # current window becomes the previous one; the current one empties
-        fk[:r] = torch.where(done, fk[r:], fk[:r])
-        fs[:r] = torch.where(done, fs[r:], fs[:r])
-        fk[r:] = torch.where(done, torch.zeros_like(fk[r:]), fk[r:])
-        fs[r:] = torch.where(done, torch.full_like(fs[r:], EMPTY_SCORE), fs[r:])
-    else:
-        fk.copy_(torch.where(done, torch.zeros_like(fk), fk))
-        fs.copy_(torch.where(done, torch.full_like(fs, EMPTY_SCORE), fs))
-
-
 @dataclass
 class SideMatrices:
     """Half-precision copies of one layer's small decode matrices (exact: the file stores them as F16),
@@ -254,54 +227,6 @@ def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq,
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
 
 
-def _as_pool(kv: DeviceLayerKV) -> SimpleNamespace:
-    """A single state's layer buffers as a one-slot pool layer (views [1, ...])."""
-    return SimpleNamespace(
-        **{f: None if t is None else t[None] for f in kv._FIELDS for t in [getattr(kv, f)]}
-    )
-
-
-def attention_decode(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, inv_freq, slot=None, side=None):
-    """xn [1, d] at device position pos [1] -> [1, d]; appends to kv in place. slot: a device zero [1]
-    (made here when not given), side: the layer's SideMatrices (kernel path only)."""
-    if pool_kernels():
-        slot = torch.zeros_like(pos) if slot is None else slot
-        o = attention_decode_pool(w, shape, _as_pool(kv), xn, pos, slot, inv_freq, side)
-        return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
-    R, eps, W, r = shape.n_rot, shape.rms_eps, shape.window, shape.ratio
-    qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)
-    q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, shape.head_dim)), pos, inv_freq, eps)
-    row = fused.kv_post(lin(xn, w.kv), w.kv_norm, pos, inv_freq, eps, R)
-    kv.raw.index_copy_(0, pos % W, row)
-    slot_pos = pos - torch.remainder(pos - torch.arange(W, device=pos.device), W)  # [W] position per slot
-    keys, valid = [kv.raw], [slot_pos >= 0]
-    if r:
-        _compress_step(w.compressor, xn, pos, r, kv.comp_kv, kv.comp_score, kv.comp, inv_freq, eps, R, False)
-        count = (pos + 1) // r  # compressed rows visible to this token
-        cap = kv.comp.shape[0]
-        rows_valid = torch.arange(cap, device=pos.device) < count
-        if w.indexer is not None and cap > shape.indexer_topk:
-            ic = w.indexer.compressor
-            _compress_step(ic, xn, pos, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
-            iw = w.indexer
-            n_heads, dim = iw.proj.shape[0], iw.compressor.norm.numel()
-            qi = fused.indexer_q_post(lin(qn, iw.q_b).unflatten(-1, (n_heads, dim)), pos, inv_freq)
-            wts = lin(xn, iw.proj) * (dim**-0.5 * n_heads**-0.5)  # [1, Hi]
-            score = ((qi[0] @ kv.index.T).relu() * wts[0, :, None]).sum(0)  # [cap]
-            score = score.masked_fill(~rows_valid, float("-inf"))
-            top = _top_rows(score, shape.indexer_topk)  # [k]
-            keys.append(kv.comp.index_select(0, top))
-            valid.append(rows_valid.index_select(0, top))
-        else:
-            if w.indexer is not None:  # every visible row fits the top-k: keep the indexer rows current
-                ic = w.indexer.compressor
-                _compress_step(ic, xn, pos, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
-            keys.append(kv.comp)
-            valid.append(rows_valid)
-    o = fused.attend(q, torch.cat(keys), torch.cat(valid), w.sinks, shape.head_dim**-0.5, pos, inv_freq)
-    return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
-
-
 def route_decode(w, xf, token, k: int, scale: float, normalize: bool, side: SideMatrices | None = None):
     """ds4.model.moe.route for one token, with torch.topk instead of a stable sort of all E experts (a sort
     costs ~20 us per layer; exact ties of continuous router scores do not occur in practice). side: the
@@ -322,25 +247,6 @@ def route_decode(w, xf, token, k: int, scale: float, normalize: bool, side: Side
     if normalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights * scale, ids
-
-
-def decode_layer(blk, kv, X, token, pos, slot=None):
-    """X [1, S, d] -> [1, S, d] for one token (token [1], pos [1] device tensors; slot: a device zero [1]).
-    blk: the layer (ds4.model.block.Block: cfg, il, w, shape, inv_freq; `side`, its SideMatrices, if set)."""
-    cfg, il, w, shape, inv_freq = blk.cfg, blk.il, blk.w, blk.shape, blk.inv_freq
-    side = getattr(blk, "side", None)
-    hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
-    h = w.hc_attn
-    xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)
-    X = fused.hc_post(attention_decode(w.attn, shape, kv, xn, pos, inv_freq, slot, side), X, post, comb)
-    h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
-    xf, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
-    weights, ids = route_decode(
-        m, xf, token, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
-    )
-    y = routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
-    y = y + lin(fused.swiglu_mid(*shared_gate_up(xf, m, side), clamp), m.down_sh)
-    return fused.hc_post(y, X, post, comb)
 
 
 def shared_gate_up(xf, m, side: SideMatrices | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from ds4.config import ModelConfig
 from ds4.model.block import Block, load_layer
 from ds4.model.cuda import fused
 from ds4.model.cuda.batch import decode_layer_batch
-from ds4.model.cuda.layer import SideMatrices, decode_layer, hmatvec, lin, prefill_layer, qmatvec
+from ds4.model.cuda.layer import SideMatrices, hmatvec, lin, prefill_layer, qmatvec
 from ds4.model.cuda.state import DeviceKVState, KVPool
 from ds4.model.cuda.weights import QLinear, RawSource, WeightStore
 from ds4.model.hc import HCWeights, hc_head
@@ -170,7 +170,7 @@ class CudaModel:
         X = self._embed(token)
         slot = torch.zeros_like(pos)  # the single state is slot 0 of a one-slot pool for the decode kernels
         for blk, kv in zip(self.layers, state.layers, strict=True):
-            X = decode_layer(blk, kv, X, token, pos, slot)
+            X = decode_layer_batch(blk, kv.as_pool(), X, token, pos, slot)
         return self.logits(X)
 
     def _decode(self, state: DeviceKVState, token: int) -> torch.Tensor:

@@ -54,6 +54,16 @@ class DeviceLayerKV:
             setattr(out, f, None if t is None else t[i])
         return out
 
+    def as_pool(self) -> DeviceLayerKV:
+        """This (single-state) layer as a one-slot pool layer: views [1, ...] of the same buffers, so the
+        batched decode step (ds4.model.cuda.batch) runs a single state at slot 0."""
+        out = DeviceLayerKV.__new__(DeviceLayerKV)
+        out.ratio, out.window = self.ratio, self.window
+        for f in self._FIELDS:
+            t = getattr(self, f)
+            setattr(out, f, None if t is None else t[None])
+        return out
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (getattr(self, f) for f in self._FIELDS) if t is not None]
 
