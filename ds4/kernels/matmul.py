@@ -35,7 +35,17 @@ import triton.language as tl
 from ds4.quant.types import GGMLType
 
 from . import ref
-from .matvec import _qmv_kernel, check_weight, dot_rows, prep_x, sub_width, tile_k, use_triton, weight_args
+from .matvec import (
+    _qmv_kernel,
+    check_weight,
+    dot_rows,
+    iq2_group_values,
+    prep_x,
+    sub_width,
+    tile_k,
+    use_triton,
+    weight_args,
+)
 from .packing import PLAIN_DTYPES, PackedWeight
 
 # Program tile: 64 x 64 with the dequantized [BN, 256] weight tile in registers needs ~220 registers a thread
@@ -269,16 +279,7 @@ def _dequant_groups(w0, w1, w2, w3, wrow, gg, K, QT: tl.constexpr, W: tl.constex
         idx = tl.load(w0 + r * (K // 8) + gg[None, :])  # [BR, G] grid indices
         a1 = tl.load(w1 + r * (K // 32) + (gg // 4)[None, :])  # [BR, G] sign indices | scale << 28
         d = tl.load(w2 + r * (K // 256) + (gg // 32)[None, :]).to(tl.float32)
-        db = d * (0.5 + ((a1 >> 28) & 15).to(tl.float32)) * 0.25
-        s = (a1 >> (7 * (gg % 4))[None, :]) & 127  # sign index; KSIGNS[s] = s | parity(s) << 7
-        p = s ^ (s >> 4)
-        p = p ^ (p >> 2)
-        p = p ^ (p >> 1)
-        signs = s | ((p & 1) << 7)
-        grid = tl.load(w3 + idx.to(tl.int32))  # [BR, G] int64: 8 magnitude bytes
-        mag = ((grid[:, :, None] >> (8 * j)[None, None, :]) & 255).to(tl.float32)
-        neg = ((signs[:, :, None] >> j[None, None, :]) & 1) != 0
-        val = db[:, :, None] * tl.where(neg, -mag, mag)
+        val = iq2_group_values(idx, a1, d, (gg % 4)[None, :], w3, j)
     elif QT == 10:  # Q2_K: group gl = 8h + 2t + s of a block: bytes 32h + 16s + j, shift 2t; scale byte gl
         blk = gg // 16
         gl = gg % 16

@@ -55,6 +55,23 @@ def _acc_tile(acc, w, x_ptr, xrow, xmask, xcol, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def iq2_group_values(idx, a1, d, sub, w3, j):
+    """IQ2_XXS groups of 8 values, f32 [R, G, 8] (exact: packing.unpack's operations): grid indices idx
+    [R, G], sub-block words a1 [R, G] (4 x 7-bit sign indices | scale << 28), block scales d (broadcast to
+    [R, G]), sub [1, G] the group's place in its sub-block, w3 the grid table, j = arange(8)."""
+    db = d * (0.5 + ((a1 >> 28) & 15).to(tl.float32)) * 0.25
+    s = (a1 >> (7 * sub)) & 127  # sign index; KSIGNS[s] = s | parity(s) << 7
+    p = s ^ (s >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    signs = s | ((p & 1) << 7)
+    grid = tl.load(w3 + idx.to(tl.int32))  # [R, G] int64: 8 magnitude bytes
+    mag = ((grid[:, :, None] >> (8 * j)[None, None, :]) & 255).to(tl.float32)  # [R, G, 8]
+    neg = ((signs[:, :, None] >> j[None, None, :]) & 1) != 0
+    return db[:, :, None] * tl.where(neg, -mag, mag)
+
+
+@triton.jit
 def dot_rows(
     w0,
     w1,
@@ -134,16 +151,8 @@ def dot_rows(
                 g = h * 16 + tl.arange(0, 16)
                 idx = tl.load(w0 + wrow[:, None] * (nb * 32) + kt * 32 + g[None, :])  # [BN, 16] grid indices
                 a1 = tl.load(w1 + wrow[:, None] * (nb * 8) + kt * 8 + (g // 4)[None, :])  # [BN, 16] int32
-                db = d[:, None] * (0.5 + ((a1 >> 28) & 15).to(tl.float32)) * 0.25
-                s = (a1 >> (7 * (g % 4))[None, :]) & 127  # sign index; KSIGNS[s] = s | parity(s) << 7
-                p = s ^ (s >> 4)
-                p = p ^ (p >> 2)
-                p = p ^ (p >> 1)
-                signs = s | ((p & 1) << 7)
-                grid = tl.load(w3 + idx.to(tl.int32))  # [BN, 16] int64: 8 magnitude bytes
-                mag = ((grid[:, :, None] >> (8 * j)[None, None, :]) & 255).to(tl.float32)  # [BN, 16, 8]
-                neg = ((signs[:, :, None] >> j[None, None, :]) & 1) != 0
-                w = tl.reshape(db[:, :, None] * tl.where(neg, -mag, mag), [BN, 128])
+                vals = iq2_group_values(idx, a1, d[:, None], (g % 4)[None, :], w3, j)  # [BN, 16, 8]
+                w = tl.reshape(vals, [BN, 128])
                 acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + h * 128 + tl.arange(0, 128), USE_DOT)
         else:  # F32 / F16 / BF16
             col = tl.arange(0, TK)
