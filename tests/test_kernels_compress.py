@@ -18,7 +18,7 @@ import pytest
 import torch
 from _kernel_env import DEVICE
 
-from ds4.kernels import compress
+from ds4.kernels import compress, ref
 from ds4.model.attention import CompressorWeights, compressed_rows
 from ds4.model.rope import rope_inv_freq
 from ds4.model.state import EMPTY_SCORE
@@ -151,7 +151,7 @@ def test_compress_decode_tiny(r: int, h: int, n_rot: int, indexer: bool) -> None
     slot = [0, 2, 1, 4, 4]
     args = _case(r, h, n_rot, pos, slot, S, cap, seed=r * h + indexer)
     got = _run(compress.compress_decode, args, n_rot, indexer, DEVICE)
-    twin = _run(compress.compress_decode_ref, args, n_rot, indexer, "cpu")
+    twin = _run(ref.compress_decode, args, n_rot, indexer, "cpu")
     want = _reference(args, n_rot, indexer)
     label = f"r={r} h={h} indexer={indexer}"
     _check_against(got, want, args, n_rot, indexer, "kernel " + label, skip=(4,))
@@ -232,5 +232,5 @@ def test_flash_shapes_cuda(r: int, h: int, indexer: bool) -> None:
     got = _run(compress.compress_decode, args, 64, indexer, DEVICE)
     want = _reference(args, 64, indexer)
     _check_against(got, want, args, 64, indexer, f"flash r={r} h={h}", skip=(5,))
-    twin = _run(compress.compress_decode_ref, args, 64, indexer, "cpu")
+    twin = _run(ref.compress_decode, args, 64, indexer, "cpu")
     _check_against(got, twin, args, 64, indexer, f"flash twin r={r} h={h}", skip=(5,))

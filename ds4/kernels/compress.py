@@ -22,7 +22,7 @@ kernel reads rows up to the token's only (at r = 128 about half the frontier on 
 Exactness: the FP8/FP4 steps are exact given their inputs (power-of-two scales from the exponent bits,
 correctly rounded divisions, RNE by the 2^23 trick, the Hadamard as the same butterfly); the pooled sums,
 the RMS sum and cos/sin may differ from torch's by float32 ulps, which moves a quantized value by a step only
-near a rounding midpoint (tests/test_kernels_compress.py counts those). The twin `compress_decode_ref` is
+near a rounding midpoint (tests/test_kernels_compress.py counts those). The twin `ref.compress_decode` is
 plain torch (ds4.model.quantsim for the indexer's QAT, as the reference model); it is the CPU path.
 """
 
@@ -31,8 +31,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ds4.model import quantsim
 
 from . import ref
 from .dispatch import require as _check
@@ -277,7 +275,7 @@ def compress_decode(
         "compress_decode: fk, fs and rows must be contiguous float32 (they are updated in place)",
     )
     if not _use_triton(fk):
-        compress_decode_ref(
+        ref.compress_decode(
             kv_new, score_new, ape, fk, fs, rows, slot, pos, norm, inv_freq, eps, n_rot, indexer
         )
         return
@@ -296,44 +294,4 @@ def compress_decode(
     )  # fmt: skip
 
 
-def compress_decode_ref(kv_new, score_new, ape, fk, fs, rows, slot, pos, norm, inv_freq, eps, n_rot, indexer):
-    """Plain-torch twin of compress_decode (same arguments, same in-place updates): the gathered frontiers
-    [B, c r, c h] get the token, are pooled and shifted, then written back with the finished rows."""
-    S, cap, h = rows.shape
-    c = fk.shape[2] // h
-    r, overlap = fk.shape[1] // c, c == 2
-    if slot is None:
-        slot = torch.zeros_like(pos)
-    slot, pos = slot.long(), pos.long()
-    fkb, fsb = fk.index_select(0, slot), fs.index_select(0, slot)  # [B, c r, c h] copies
-    at = (r if overlap else 0) + pos % r  # [B]
-    hit = (torch.arange(c * r, device=pos.device)[None, :] == at[:, None])[..., None]  # [B, c r, 1]
-    fkb = torch.where(hit, kv_new.float()[:, None, :], fkb)
-    fsb = torch.where(hit, (score_new.float() + ape.float().index_select(0, pos % r))[:, None, :], fsb)
-    if overlap:  # candidates: previous window's first half + this window's second half
-        cand_kv = torch.cat([fkb[:, :r, :h], fkb[:, r:, h:]], dim=1)  # [B, 2r, h]
-        cand_score = torch.cat([fsb[:, :r, :h], fsb[:, r:, h:]], dim=1)
-    else:
-        cand_kv, cand_score = fkb, fsb
-    pooled = (cand_kv * cand_score.softmax(dim=1)).sum(1)  # [B, h]
-    row = ref._rope(ref._rms(pooled, eps) * norm.float(), pos - (r - 1), inv_freq)
-    if indexer:
-        row = quantsim.indexer_qat(row)
-    else:
-        row = torch.cat([ref._fp8_e4m3(row[:, :-n_rot], FP8_BLOCK), row[:, -n_rot:]], dim=-1)
-    done = (pos % r == r - 1)[:, None, None]  # [B, 1, 1] this token completes a window
-    if overlap:  # current window becomes the previous one; the current one empties
-        fkb = torch.cat([torch.where(done, fkb[:, r:], fkb[:, :r]), torch.where(done, 0.0, fkb[:, r:])], 1)
-        fsb = torch.cat(
-            [torch.where(done, fsb[:, r:], fsb[:, :r]), torch.where(done, EMPTY_SCORE, fsb[:, r:])], 1
-        )
-    else:
-        fkb, fsb = torch.where(done, 0.0, fkb), torch.where(done, EMPTY_SCORE, fsb)
-    flat = rows.view(-1, h)  # [S cap, h]
-    idx = slot * cap + torch.clamp(pos // r, max=cap - 1)  # [B]
-    flat.index_copy_(0, idx, torch.where(done[:, 0], row, flat.index_select(0, idx)))
-    fk.index_copy_(0, slot, fkb)
-    fs.index_copy_(0, slot, fsb)
-
-
-__all__ = ["compress_decode", "compress_decode_ref"]
+__all__ = ["compress_decode"]

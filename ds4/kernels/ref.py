@@ -318,3 +318,52 @@ def router_topk(logits, bias, k: int, scale: float, normalize: bool = True):
 def hmatvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [B, K] @ w[N, K]^T (w float16 | bfloat16, exact in f32) -> [B, N] f32."""
     return x.float() @ w.float().T
+
+
+# =========================================================================================================
+# Compressor decode step: compress_decode (compress.py; also the DS4_TRITON_FUSED=0 torch decode path of
+# ds4.model.cuda.batch). Legend: B rows, S pool slots, r ratio, c = 2 if r == 4 else 1, h row width.
+
+EMPTY_SCORE = -1e30  # = ds4.model.state.EMPTY_SCORE: an empty frontier row's score (softmax weight 0)
+
+
+def compress_decode(kv_new, score_new, ape, fk, fs, rows, slot, pos, norm, inv_freq, eps, n_rot, indexer):
+    """Plain-torch twin of compress_decode (same arguments, same in-place updates): the gathered frontiers
+    [B, c r, c h] get the token, are pooled and shifted, then written back with the finished rows."""
+    from ds4.model.quantsim import indexer_qat  # lazy: this module stays free of model imports at load
+
+    S, cap, h = rows.shape
+    c = fk.shape[2] // h
+    r, overlap = fk.shape[1] // c, c == 2
+    if slot is None:
+        slot = torch.zeros_like(pos)
+    slot, pos = slot.long(), pos.long()
+    fkb, fsb = fk.index_select(0, slot), fs.index_select(0, slot)  # [B, c r, c h] copies
+    at = (r if overlap else 0) + pos % r  # [B]
+    hit = (torch.arange(c * r, device=pos.device)[None, :] == at[:, None])[..., None]  # [B, c r, 1]
+    fkb = torch.where(hit, kv_new.float()[:, None, :], fkb)
+    fsb = torch.where(hit, (score_new.float() + ape.float().index_select(0, pos % r))[:, None, :], fsb)
+    if overlap:  # candidates: previous window's first half + this window's second half
+        cand_kv = torch.cat([fkb[:, :r, :h], fkb[:, r:, h:]], dim=1)  # [B, 2r, h]
+        cand_score = torch.cat([fsb[:, :r, :h], fsb[:, r:, h:]], dim=1)
+    else:
+        cand_kv, cand_score = fkb, fsb
+    pooled = (cand_kv * cand_score.softmax(dim=1)).sum(1)  # [B, h]
+    row = _rope(_rms(pooled, eps) * norm.float(), pos - (r - 1), inv_freq)
+    if indexer:
+        row = indexer_qat(row)
+    else:
+        row = torch.cat([_fp8_e4m3(row[:, :-n_rot]), row[:, -n_rot:]], dim=-1)
+    done = (pos % r == r - 1)[:, None, None]  # [B, 1, 1] this token completes a window
+    if overlap:  # current window becomes the previous one; the current one empties
+        fkb = torch.cat([torch.where(done, fkb[:, r:], fkb[:, :r]), torch.where(done, 0.0, fkb[:, r:])], 1)
+        fsb = torch.cat(
+            [torch.where(done, fsb[:, r:], fsb[:, :r]), torch.where(done, EMPTY_SCORE, fsb[:, r:])], 1
+        )
+    else:
+        fkb, fsb = torch.where(done, 0.0, fkb), torch.where(done, EMPTY_SCORE, fsb)
+    flat = rows.view(-1, h)  # [S cap, h]
+    idx = slot * cap + torch.clamp(pos // r, max=cap - 1)  # [B]
+    flat.index_copy_(0, idx, torch.where(done[:, 0], row, flat.index_select(0, idx)))
+    fk.index_copy_(0, slot, fkb)
+    fs.index_copy_(0, slot, fsb)

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from ds4.kernels import ref as kernel_ref
 from ds4.model.attention import AttentionShape, CompressorWeights
 from ds4.model.cuda import fused
 from ds4.model.cuda.experts import routed_decode, swiglu_mid
@@ -38,7 +39,6 @@ from ds4.model.cuda.state import DeviceLayerKV
 from ds4.model.cuda.weights import Packed, QLinear
 from ds4.model.norm import rms_norm
 from ds4.model.quantsim import indexer_qat
-from ds4.model.state import EMPTY_SCORE
 
 try:  # grouped expert GEMMs (tokens sorted by expert: each selected expert's weights read once per step)
     from ds4.kernels.matmul import moe_grouped
@@ -67,54 +67,17 @@ def _compile_on() -> bool:
 _fuse = fused.fuse(dynamic=True, when=_compile_on)  # one compile per piece for every batch size
 
 
-@_fuse
-def _advance(fk, fs, kv_new, score_new, pos, norm, inv_freq, r: int, eps: float, n_rot: int, indexer: bool):
-    """One token into each row's frontier: fk/fs [B, c r, c h] (this token's kv_new/score_new [B, c h] at
-    frontier row (r if r == 4 else 0) + pos % r) -> (finished row [B, h] (used where the window completes),
-    next fk, next fs). Same math as the CPU reference's compressor (ds4.model.attention), row by row."""
-    overlap = r == 4
-    h = norm.shape[0]
-    at = (r if overlap else 0) + pos % r  # [B]
-    hit = (torch.arange(fk.shape[1], device=pos.device)[None, :] == at[:, None])[..., None]  # [B, c r, 1]
-    fk = torch.where(hit, kv_new[:, None, :], fk)
-    fs = torch.where(hit, score_new[:, None, :], fs)
-    if overlap:  # candidates: previous window's first half + this window's second half
-        cand_kv = torch.cat([fk[:, :r, :h], fk[:, r:, h:]], dim=1)  # [B, 2r, h]
-        cand_score = torch.cat([fs[:, :r, :h], fs[:, r:, h:]], dim=1)
-    else:
-        cand_kv, cand_score = fk, fs
-    pooled = (cand_kv * cand_score.softmax(dim=1)).sum(1)  # [B, h]
-    row = fused.rope_real(rms_norm(pooled, norm, eps), pos - (r - 1), inv_freq)
-    row = indexer_qat(row) if indexer else fused._fp8_nope(row, n_rot)
-    done = (pos % r == r - 1)[:, None, None]  # [B, 1, 1] this token completes a window
-    if overlap:  # current window becomes the previous one; the current one empties
-        fk = torch.cat([torch.where(done, fk[:, r:], fk[:, :r]), torch.where(done, 0.0, fk[:, r:])], dim=1)
-        fs = torch.cat(
-            [torch.where(done, fs[:, r:], fs[:, :r]), torch.where(done, EMPTY_SCORE, fs[:, r:])], dim=1
-        )
-    else:
-        fk = torch.where(done, 0.0, fk)
-        fs = torch.where(done, EMPTY_SCORE, fs)
-    return row, fk, fs
-
-
 def _compress_step(
-    w: CompressorWeights, xn, pos, slot, ratio, fk_pool, fs_pool, rows_pool, inv_freq, eps, n_rot, indexer
-) -> None:
-    """Advance each row's frontier (pool slot slot[b]) by its token; write the rows of completed windows.
+    w: CompressorWeights, xn, pos, slot, fk_pool, fs_pool, rows_pool, inv_freq, eps, n_rot, indexer
+):
+    """Advance each row's frontier (pool slot slot[b]) by its token; write the rows of completed windows
+    (the compressor kernel's torch twin, ds4.kernels.ref.compress_decode).
 
     fk_pool/fs_pool [N+1, c r, c h], rows_pool [N+1, cap, h]; xn [B, d], pos/slot [B]."""
-    r, h = ratio, w.norm.numel()
-    fk, fs = fk_pool.index_select(0, slot), fs_pool.index_select(0, slot)  # [B, c r, c h] copies
-    kv_new, score_new = lin(xn, w.kv), lin(xn, w.gate) + w.ape.index_select(0, pos % r)
-    row, fk, fs = _advance(fk, fs, kv_new, score_new, pos, w.norm, inv_freq, r, eps, n_rot, indexer)
-    cap = rows_pool.shape[1]
-    flat = rows_pool.view(-1, h)  # [(N+1) cap, h]
-    idx = slot * cap + torch.clamp(pos // r, max=cap - 1)  # [B]
-    done = (pos % r == r - 1)[:, None]
-    flat.index_copy_(0, idx, torch.where(done, row, flat.index_select(0, idx)))
-    fk_pool.index_copy_(0, slot, fk)
-    fs_pool.index_copy_(0, slot, fs)
+    kernel_ref.compress_decode(
+        lin(xn, w.kv), lin(xn, w.gate), w.ape, fk_pool, fs_pool, rows_pool,
+        slot, pos, w.norm, inv_freq, eps, n_rot, indexer,
+    )  # fmt: skip
 
 
 @_fuse
@@ -161,15 +124,13 @@ def attention_decode_batch(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos,
     keys, valid = [kv.raw.index_select(0, slot)], [slot_pos >= 0]
     if r:
         _compress_step(
-            w.compressor, xn, pos, slot, r, kv.comp_kv, kv.comp_score, kv.comp, inv_freq, eps, R, False
+            w.compressor, xn, pos, slot, kv.comp_kv, kv.comp_score, kv.comp, inv_freq, eps, R, False
         )
         cap = kv.comp.shape[1]
         rows_valid = torch.arange(cap, device=pos.device)[None, :] < ((pos + 1) // r)[:, None]  # [B, cap]
         if w.indexer is not None:  # keep the indexer rows current (used once more than top-k rows exist)
             ic = w.indexer.compressor
-            _compress_step(
-                ic, xn, pos, slot, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True
-            )
+            _compress_step(ic, xn, pos, slot, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
         if w.indexer is not None and cap > shape.indexer_topk:
             iw = w.indexer
             n_heads, dim = iw.proj.shape[0], iw.compressor.norm.numel()
