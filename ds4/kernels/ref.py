@@ -367,3 +367,30 @@ def compress_decode(kv_new, score_new, ape, fk, fs, rows, slot, pos, norm, inv_f
     flat.index_copy_(0, idx, torch.where(done[:, 0], row, flat.index_select(0, idx)))
     fk.index_copy_(0, slot, fkb)
     fs.index_copy_(0, slot, fsb)
+
+
+# =========================================================================================================
+# Prefill indexer scores (indexer_prefill.py; helper "pindex")
+# Legend: T tokens at positions p0.., Hi/Di indexer heads/dim, C compressed indexer rows, r = ratio.
+
+INDEXER_SCORE_BUDGET = 1 << 25  # elements of the twin's [B, Hi, C] per-head temporary per token block
+
+
+def indexer_scores_prefill(qi, wts, rows, p0: int, ratio: int = 4):
+    """score [T, C] f32 = sum_h wts[t, h] * relu(qi[t, h] . rows[c]) with bf16-rounded qi / rows (exact for
+    the indexer's FP4-QAT'd values) and f32 sums; -inf where c >= (p0 + t + 1) // ratio. The math of the
+    model's former dense _indexer_pick, token block by token block."""
+    T, Hi, _ = qi.shape
+    C = rows.shape[0]
+    q = qi.to(torch.bfloat16).float()  # [T, Hi, Di]
+    k = rows.to(torch.bfloat16).float()  # [C, Di]
+    w = wts.float()  # [T, Hi]
+    counts = (p0 + torch.arange(T, device=qi.device) + 1) // ratio  # [T]
+    out = torch.empty(T, C, device=qi.device, dtype=torch.float32)
+    block = max(1, INDEXER_SCORE_BUDGET // max(1, Hi * C))
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        per_head = torch.einsum("thd,cd->thc", q[a:b], k).relu()  # [B, Hi, C]
+        out[a:b] = torch.einsum("thc,th->tc", per_head, w[a:b])
+    hidden = torch.arange(C, device=qi.device)[None, :] >= counts[:, None]  # [T, C]
+    return out.masked_fill_(hidden, float("-inf"))
