@@ -72,8 +72,8 @@ def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     tk = tile_k(w)
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), 1)
     _qmv_kernel[grid](
-        x, *weight_args(w), out, M, N, K, x.stride(0), K // tk,
-        QT=int(w.qtype), BB=BM, BN=BN, TK=tk, SW=sub_width(w, tk), USE_DOT=True,
+        x, *weight_args(w), out, out, out, M, N, K, x.stride(0), K // tk,  # (one split: no sum, no counters)
+        QT=int(w.qtype), BB=BM, BN=BN, TK=tk, SW=sub_width(w, tk), USE_DOT=True, FIXUP=False,
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out

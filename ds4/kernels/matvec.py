@@ -6,7 +6,8 @@ memory). Two inner products:
     bound the time; x f32 with B > 4 runs in chunks of 4 rows (each chunk dequantizes the tile again);
   * x bf16 and B > 4: tensor cores (tl.dot, bf16 x bf16 with the W tile rounded to bf16, f32 accumulation),
     so that the multiply cost does not grow with B. (tf32x3 for f32 x spills registers at these tile sizes.)
-Split-K (partial sums in a [S, B, N] buffer, then a sum over S) keeps >= ~1000 programs in flight for short N.
+Split-K (partial sums in a [S, B, N] buffer, summed over S in split order) keeps >= ~1000 programs in flight
+for short N; the sum runs inside the kernel (split_fixup, switch Q8_FIXUP) or as a torch sum after it.
 
 The jit helper ``dot_rows`` is shared with moe.py and matmul.py: it adds x[rows] @ W[rows]^T for one tile of
 weight rows over a range of k-tiles, for every supported qtype. Element order inside a ggml block is not k
@@ -17,6 +18,7 @@ Legend: B activation rows, N output rows, K row length, BB/BN rows per program, 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,12 @@ TARGET_PROGRAMS = 1024  # ~8 per SM on an H200 (132 SMs): enough loads in flight
 # Weight rows per program at B = 1 (DECODE_ROWS / BB for BB rows of x). 16 keeps IQ2_XXS at ~100 registers a
 # thread on sm_90 (193 at 32), so more programs fit per SM; bench --sweep times the alternatives.
 DECODE_ROWS = 16
+# Split-K of qmatvec / q8_mv1 summed inside the kernel (the last split of each tile adds the partials) instead
+# of by a torch sum after it: one launch per call instead of two (a decode step at B = 1 made 268 sum
+# launches, 0.73 ms on an H200). Read at every call (a CUDA graph keeps the choice made when it was
+# captured). Env DS4_Q8_FIXUP=0: the torch sum (A/B on the GPU). Both are deterministic; they may differ in
+# the last bits (the fixup adds the partials in split order, torch's reduction in an order of its own).
+Q8_FIXUP = os.environ.get("DS4_Q8_FIXUP", "1") != "0"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -217,6 +225,64 @@ def _qtype_code(w: PackedWeight) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Split-K sums inside the kernel (qmatvec, q8_mv1, hmatvec with HalfConfig.fixup)
+# Each program stores its partial, then bumps its output tile's counter; the program that finds the count at
+# S - 1 is the tile's last: it adds the S partials in split order 0..S-1 (deterministic: the same bits on
+# every run, whatever order the programs ran in) into the output and sets the counter back to 0. The
+# counters are one int32 buffer per device, zero between calls, allocated outside any CUDA-graph capture and
+# never freed (a captured graph keeps using its buffer), so graph replays re-arm them themselves. Two calls in
+# flight at once on one device would share counters: calls must be ordered on one stream (the decode step
+# and its graphs run on one stream; a graph's kernel nodes form a chain), never on concurrent streams.
+
+
+@triton.jit
+def _split_fixup(part_ptr, sum_ptr, cnt_ptr, off, mask, B, N, n_split, BB: tl.constexpr, BN: tl.constexpr):
+    """After a program stored its partial [BB, BN] at part_ptr[split] + off (partials [n_split, B, N]): the
+    last of the tile's splits (counter cnt_ptr) writes the sum of all partials, in split order
+    (deterministic), to sum_ptr + off."""
+    tl.debug_barrier()  # all threads' partial stores precede the release below
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")  # gpu scope: publishes this partial, sees the others
+    if done == n_split - 1:
+        total = tl.zeros([BB, BN], dtype=tl.float32)
+        for s in range(n_split):
+            part = part_ptr + tl.cast(s, tl.int64) * B * N + off  # (cast: s is an int in the interpreter)
+            total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")  # L2: other SMs' stores
+        tl.store(sum_ptr + off, total, mask=mask)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")  # re-armed for the next call (kernel boundaries order it)
+
+
+_HALF_COUNTERS: dict[torch.device, torch.Tensor] = {}  # (the name predates the Q8_0 users)
+_RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers: graphs captured with them still write them
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed int32 tile counters (>= tiles), or None while a CUDA graph is being captured
+    and they would have to be allocated (memory allocated in a capture belongs to that graph)."""
+    cnt = _HALF_COUNTERS.get(device)
+    if cnt is None or cnt.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if cnt is not None:
+            _RETIRED_COUNTERS.append(cnt)
+        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _HALF_COUNTERS[device] = cnt
+    return cnt
+
+
+def _fixup_output(
+    device: torch.device, splits: int, tiles: int, shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(output [shape] f32, tile counters) when a Q8_0 kernel should sum its split-K partials itself
+    (Q8_FIXUP on, more than one split, counters at hand), else None: the caller sums with torch."""
+    if not Q8_FIXUP or splits == 1:
+        return None
+    cnt = _split_counters(device, tiles)
+    if cnt is None:
+        return None
+    return torch.empty(shape, dtype=torch.float32, device=device), cnt
+
+
+# ---------------------------------------------------------------------------------------------------------
 # qmatvec
 
 
@@ -228,6 +294,8 @@ def _qmv_kernel(
     w2,
     w3,
     out_ptr,
+    sum_ptr,
+    cnt_ptr,
     B,
     N,
     K,
@@ -239,7 +307,10 @@ def _qmv_kernel(
     TK: tl.constexpr,
     SW: tl.constexpr,
     USE_DOT: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
+    """Partials out [S, B, N] of x [B, K] @ W^T, program (row tile, batch tile, split); FIXUP: the last split
+    of each tile also writes the sum to sum_ptr [B, N] (counters cnt_ptr, one per (row, batch) tile)."""
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -253,8 +324,12 @@ def _qmv_kernel(
         w0, w1, w2, w3, wrow, x_ptr, b.to(tl.int64) * stride_x, bmask, kt_lo, kt_hi, K, QT, BB, BN, TK, SW,
         USE_DOT,
     )  # fmt: skip
-    out = out_ptr + pid_s.to(tl.int64) * B * N + b[:, None].to(tl.int64) * N + n[None, :]
-    tl.store(out, acc, mask=bmask[:, None] & (n < N)[None, :])
+    off = b[:, None].to(tl.int64) * N + n[None, :]  # [BB, BN]
+    mask = bmask[:, None] & (n < N)[None, :]
+    tl.store(out_ptr + pid_s.to(tl.int64) * B * N + off, acc, mask=mask)
+    if FIXUP:
+        tile_cnt = cnt_ptr + pid_n * tl.num_programs(1) + pid_b
+        _split_fixup(out_ptr, sum_ptr, tile_cnt, off, mask, B, N, tl.num_programs(2), BB, BN)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -263,7 +338,8 @@ def _qmv_kernel(
 # (contiguous per row: 16-byte loads), the [BN, TK/32] f16 scales and x[TK], sums each 32-element block
 # first and scales once per block (fewer multiplies and registers than per-element dequant). Rows may come
 # in groups of NG that each read their own x slice (qmatvec_grouped); plain matrices use NG = N.
-# Split-K partials go to a [S, N] buffer summed in fixed order (deterministic).
+# Split-K partials go to a [S, N] buffer summed in split order (deterministic): in the kernel (Q8_FIXUP) or by
+# torch.
 
 
 @dataclass(frozen=True)
@@ -290,6 +366,8 @@ def _q8_mv1_kernel(
     qs,
     dsc,
     out_ptr,
+    sum_ptr,
+    cnt_ptr,
     N,
     K,
     NG,
@@ -297,7 +375,10 @@ def _q8_mv1_kernel(
     BN: tl.constexpr,
     TK: tl.constexpr,
     STAGES: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
+    """Partials out [S, N], program (row tile, split); FIXUP: the last split of each row tile also writes
+    the sum to sum_ptr [N] (counters cnt_ptr, one per row tile)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     TB: tl.constexpr = TK // 32  # blocks per k-tile
@@ -318,6 +399,9 @@ def _q8_mv1_kernel(
         xv = tl.load(xp + kt * TK).to(tl.float32)
         acc += tl.sum(q * xv[None, :, :], axis=2) * d
     tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
+    if FIXUP:  # as one batch row: tile [1, BN]
+        off, mask = n[None, :], (n < N)[None, :]
+        _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
 
 
 def _q8_tile_k(k: int, cap: int) -> int:
@@ -334,20 +418,30 @@ def q8_mv1(
     n // rows_per_group (rows_per_group = N: a plain matvec). cfg: tile (default Q8_MV1)."""
     cfg = cfg or Q8_MV1
     N, K = w.rows, w.K
-    bn = cfg.bn
-    if rows_per_group % bn and rows_per_group != N:
-        raise ValueError(f"q8_mv1: {bn} rows per program must divide the group of {rows_per_group} rows")
-    tk = _q8_tile_k(K, cfg.tk)
-    n_prog, n_kt = triton.cdiv(N, bn), K // tk
+    if rows_per_group % cfg.bn and rows_per_group != N:
+        raise ValueError(f"q8_mv1: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
+    tk, per, splits = q8_mv1_plan(N, K, cfg)
+    n_prog = triton.cdiv(N, cfg.bn)
+    out = torch.empty(splits, N, dtype=torch.float32, device=x.device)  # [S, N] partials
+    fix = _fixup_output(x.device, splits, n_prog, (N,))
+    total, cnt = fix or (out, out)  # (unused pointers without the fixup)
+    _q8_mv1_kernel[(n_prog, splits)](
+        x, w.data["qs"], w.data["d"], out, total, cnt, N, K, rows_per_group, per,
+        BN=cfg.bn, TK=tk, STAGES=cfg.stages, FIXUP=fix is not None, num_warps=cfg.warps,
+    )  # fmt: skip
+    if fix is not None:
+        return total
+    return out[0] if splits == 1 else out.sum(0)
+
+
+def q8_mv1_plan(n: int, k: int, cfg: Q8Config) -> tuple[int, int, int]:
+    """(TK, k-tiles per split, splits) of q8_mv1 for n rows of length k: enough splits that the row tiles
+    times the splits reach cfg.target programs, as far as the k-tiles allow."""
+    tk = _q8_tile_k(k, cfg.tk)
+    n_prog, n_kt = triton.cdiv(n, cfg.bn), k // tk
     splits = min(n_kt, max(1, triton.cdiv(cfg.target, n_prog)))
     per = triton.cdiv(n_kt, splits)
-    splits = triton.cdiv(n_kt, per)
-    out = torch.empty(splits, N, dtype=torch.float32, device=x.device)
-    _q8_mv1_kernel[(n_prog, splits)](
-        x, w.data["qs"], w.data["d"], out, N, K, rows_per_group, per,
-        BN=bn, TK=tk, STAGES=cfg.stages, num_warps=cfg.warps,
-    )  # fmt: skip
-    return out[0] if splits == 1 else out.sum(0)
+    return tk, per, triton.cdiv(n_kt, per)
 
 
 def decode_tiles(b: int, x16: bool) -> tuple[int, int, bool]:
@@ -381,19 +475,43 @@ def qmatvec(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return _qmatvec_tiles(x, w)
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """Launch of _qmv_kernel for qmatvec: BB x rows and BN weight rows per program (tensor cores if use_dot),
+    TK elements per k-tile, k-tiles per split, and the grid (row tiles, batch tiles, splits)."""
+
+    bb: int
+    bn: int
+    use_dot: bool
+    tk: int
+    per: int
+    grid: tuple[int, int, int]
+
+
+def qmatvec_plan(b: int, w: PackedWeight, x16: bool) -> TilePlan:
+    """The general kernel's launch for b rows of x (x16: bf16) times w."""
+    tk = tile_k(w)
+    bb, bn, use_dot = decode_tiles(b, x16)
+    n_tiles, b_tiles = triton.cdiv(w.N, bn), triton.cdiv(b, bb)
+    per, splits = split_k(n_tiles * b_tiles, w.K // tk)
+    return TilePlan(bb, bn, use_dot, tk, per, (n_tiles, b_tiles, splits))
+
+
 def _qmatvec_tiles(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """The general kernel (any qtype, any B) behind qmatvec; x prepared, on a Triton device, B, N > 0."""
     B, N, K = x.shape[0], w.N, w.K
-    tk = tile_k(w)
-    bb, bn, use_dot = decode_tiles(B, x.dtype == torch.bfloat16)
-    grid_nb = triton.cdiv(N, bn) * triton.cdiv(B, bb)
-    per, splits = split_k(grid_nb, K // tk)
-    out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, bn), triton.cdiv(B, bb), splits)
-    _qmv_kernel[grid](
-        x, *weight_args(w), out, B, N, K, x.stride(0), per,
-        QT=_qtype_code(w), BB=bb, BN=bn, TK=tk, SW=sub_width(w, tk), USE_DOT=use_dot, num_warps=4,
+    p = qmatvec_plan(B, w, x.dtype == torch.bfloat16)
+    splits = p.grid[2]
+    out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)  # [S, B, N] partials
+    fix = _fixup_output(x.device, splits, p.grid[0] * p.grid[1], (B, N))
+    total, cnt = fix or (out, out)  # (unused pointers without the fixup)
+    _qmv_kernel[p.grid](
+        x, *weight_args(w), out, total, cnt, B, N, K, x.stride(0), p.per,
+        QT=_qtype_code(w), BB=p.bb, BN=p.bn, TK=p.tk, SW=sub_width(w, p.tk), USE_DOT=p.use_dot,
+        FIXUP=fix is not None, num_warps=4,
     )  # fmt: skip
+    if fix is not None:
+        return total
     return out[0] if splits == 1 else out.sum(0)
 
 
@@ -517,22 +635,6 @@ HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="tf32
 
 
 @triton.jit
-def _split_fixup(part_ptr, sum_ptr, cnt_ptr, off, mask, B, N, BB: tl.constexpr, BN: tl.constexpr):
-    """After a program stored its partial [BB, BN] at part_ptr[split] + off: the last of the tile's splits
-    (counter cnt_ptr) writes the sum of all partials, in split order (deterministic), to sum_ptr + off."""
-    n_split = tl.num_programs(2)
-    tl.debug_barrier()  # all threads' partial stores precede the release below
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")  # gpu scope: publishes this partial, sees the others
-    if done == n_split - 1:
-        total = tl.zeros([BB, BN], dtype=tl.float32)
-        for s in range(n_split):
-            part = part_ptr + (s * B).to(tl.int64) * N + off
-            total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")  # L2: other SMs' stores
-        tl.store(sum_ptr + off, total, mask=mask)
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")  # re-armed for the next call (kernel boundaries order it)
-
-
-@triton.jit
 def _hmv_kernel(
     x_ptr,
     w_ptr,
@@ -595,22 +697,7 @@ def _hmv_kernel(
     tl.store(out_ptr + pid_s.to(tl.int64) * B * N + off, y, mask=mask)
     if FIXUP:
         tile_cnt = cnt_ptr + pid_n * tl.num_programs(0) + pid_b
-        _split_fixup(out_ptr, sum_ptr, tile_cnt, off, mask, B, N, BB, BN)
-
-
-_HALF_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed int32 tile counters (>= tiles), or None while a CUDA graph is being captured
-    and they would have to be allocated (memory allocated in a capture belongs to that graph)."""
-    cnt = _HALF_COUNTERS.get(device)
-    if cnt is None or cnt.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _HALF_COUNTERS[device] = cnt
-    return cnt
+        _split_fixup(out_ptr, sum_ptr, tile_cnt, off, mask, B, N, tl.num_programs(2), BB, BN)
 
 
 def _check_half(x: torch.Tensor, w: torch.Tensor) -> None:
