@@ -16,7 +16,7 @@ import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import matmul, matvec, moe, ref
-from ds4.kernels.moe import _dot4, _iq2_sign_masks, _negate_bytes
+from ds4.kernels.moe import _dot4, _iq2_sign_bits, _iq2_sign_masks, _negate_bytes
 from ds4.kernels.packing import pack
 from ds4.model.moe import swiglu
 from ds4.quant import GGMLType, dequantize, random_blocks
@@ -508,6 +508,48 @@ def test_moe_int8_kernels(cfg):
     assert 1e-6 < rel_err(got, ref.moe_down(mid, weights, wd, ids)) < INT8_TOL[cfg.terms]
 
 
+@triton.jit
+def _sign_bits_kernel(s_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    bl, bh = _iq2_sign_bits(tl.load(s_ptr + i))
+    tl.store(lo_ptr + i, bl)
+    tl.store(hi_ptr + i, bh)
+
+
+def test_iq2_sign_bits_exhaustive():
+    """moe._iq2_sign_bits (the computed sign masks of MoeConfig.sign_math) on all 128 sign indices = the
+    KSIGNS table of model.md §3 (numpy popcount parity), as 0/1 bytes: x 255 they are the gathered masks."""
+    s = torch.arange(128, dtype=torch.int32, device=DEVICE)
+    lo, hi = torch.empty_like(s), torch.empty_like(s)
+    _sign_bits_kernel[(1,)](s, lo, hi, BLOCK=128)
+    bits = (torch.from_numpy(_KSIGNS_NP)[:, None] >> torch.arange(8)) & 1  # [128, 8]
+    got = torch.cat([lo.cpu().view(torch.int8).reshape(128, 4), hi.cpu().view(torch.int8).reshape(128, 4)], 1)
+    assert torch.equal(got.long(), bits)
+    table = _iq2_sign_masks(torch.device("cpu")).view(torch.uint8).reshape(128, 8)
+    assert torch.equal(table.long(), bits * 255)
+
+
+# Session-4 B <= 4 variants: computed sign masks, 4 / 2 super-blocks per loop step (2 blocks here, one per
+# k-split in the second: both end on a partial step), each against the exact integer twin.
+VARIANT_CONFIGS = [
+    moe.MoeConfig(16, 1, 4, int8=True, sign_math=True, unroll=4),
+    moe.MoeConfig(16, 2, 4, int8=True, unroll=2, terms=1),
+]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    VARIANT_CONFIGS,
+    ids=lambda c: f"s{c.splits}-u{c.unroll}-{'math' if c.sign_math else 'tab'}-t{c.terms}",
+)
+def test_moe_int8_variants(cfg):
+    wg, wu, wd, ids, x, mid, weights = _int8_case(16, 512, 54)
+    got = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)
+    assert rel_err(got, ref.moe_gate_up_q8k(x, wg, wu, ids, 1.0, cfg.terms)) < F32_TOL
+    got = moe.moe_down(mid, weights, wd, ids, cfg)
+    assert rel_err(got, ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)) < F32_TOL
+
+
 def test_moe_int8_two_terms_vs_one_term():
     """The residual plane is what makes the int8 kernels accurate: against the f32 reference (exactly
     dequantized weights), two terms pass INT8_TOL[2] and one term misses it by > 10x, on the same inputs
@@ -530,6 +572,8 @@ def test_moe_int8_two_terms_vs_one_term():
 def test_moe_config_terms():
     with pytest.raises(ValueError, match="terms must be 1 or 2, got 3"):
         moe.MoeConfig(terms=3)
+    with pytest.raises(ValueError, match="unroll must be 1, 2 or 4, got 3"):
+        moe.MoeConfig(unroll=3)
     with pytest.raises(ValueError, match="terms must be 1 or 2, got 0"):
         moe.quantize_q8k(torch.zeros(1, 256, device=DEVICE), 0)
     assert moe.MoeConfig().terms == 2

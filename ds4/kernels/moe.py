@@ -368,8 +368,35 @@ def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, plane, TINY: tl.constexp
 
 
 @triton.jit
+def _iq2_sign_bits(s):
+    """Sign index s [..] int32 (7 stored bits) -> (bl, bh): int32 words with byte j = bit j of KSIGNS[s] (0 or
+    1) for elements 0-3 / 4-7, computed instead of gathered: bit 7 is the parity of s (0x6996 holds the
+    parities of 0..15, s ^ s >> 4 folds bits 4-6 onto 0-2), and n * 0x204081 = n + n << 7 + n << 14 + n << 21
+    puts bit j of a nibble n at bit 8 j without carries."""
+    par = (tl.full(s.shape, 0x6996, tl.int32) >> ((s ^ (s >> 4)) & 15)) & 1
+    bl = ((s & 15) * 0x204081) & 0x01010101
+    bh = (((s >> 4) | (par << 3)) * 0x204081) & 0x01010101
+    return bl, bh
+
+
+@triton.jit
 def _iq2_q8k_block(
-    qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS: tl.constexpr, DP4A: tl.constexpr
+    qs,
+    sg,
+    dd,
+    tab64,
+    ksm,
+    wrow,
+    kt,
+    nb,
+    xlo,
+    xhi,
+    x2lo,
+    x2hi,
+    dx,
+    TERMS: tl.constexpr,
+    DP4A: tl.constexpr,
+    SIGN_MATH: tl.constexpr,
 ):
     """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g v per group 4 sb + l of IQ2_XXS super-block kt of rows
     wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
@@ -384,9 +411,14 @@ def _iq2_q8k_block(
     row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows (one 8-byte gather per group)
     lo = row.to(tl.int32)  # bytes 0-3 (truncation)
     hi = (row >> 32).to(tl.int32)  # bytes 4-7
-    m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
-    wlo = _negate_bytes(lo, m.to(tl.int32))  # signed grid bytes, shared by both planes
-    whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
+    if SIGN_MATH:  # no second gather: the byte masks from the 7 sign bits in ALU ops (~12 per group)
+        bl, bh = _iq2_sign_bits((a1 >> (7 * lg)) & 127)
+        wlo = (lo ^ (bl * 255)) + bl  # = _negate_bytes(lo, bl * 255)
+        whi = (hi ^ (bh * 255)) + bh
+    else:
+        m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
+        wlo = _negate_bytes(lo, m.to(tl.int32))  # signed grid bytes, shared by both planes
+        whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
     dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
     if TERMS == 2:
         dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)
@@ -420,9 +452,13 @@ def _iq2_q8k_gate_up_kernel(
     SPLIT: tl.constexpr,
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
+    SIGN_MATH: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,
 ):
     """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/8] int64: one group's 8
-    int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel."""
+    int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel.
+    UNROLL super-blocks per loop step (their loads in flight together; a step past hi repeats block hi - 1
+    with dx = 0); SIGN_MATH: sign masks computed, not gathered (_iq2_sign_bits)."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -437,20 +473,28 @@ def _iq2_q8k_gate_up_kernel(
     hi = tl.minimum(lo + kt_per_split, nb)
     acc_g = tl.zeros([BN, 8, 4], dtype=tl.float32)  # per-lane partial sums, reduced after the loop
     acc_u = tl.zeros([BN, 8, 4], dtype=tl.float32)
-    for kt in range(lo, hi):
-        x8 = tl.load(xo + kt * 32 + xg)  # int64: elements 0-3 (low word), 4-7 (high word)
-        xlo = x8.to(tl.int32)
-        xhi = (x8 >> 32).to(tl.int32)
-        if TERMS == 2:
-            x8 = tl.load(xo + xplane + kt * 32 + xg)
-            x2lo = x8.to(tl.int32)
-            x2hi = (x8 >> 32).to(tl.int32)
-        else:  # unused
-            x2lo = xlo
-            x2hi = xhi
-        dx = tl.load(dx_ptr + b * nb + kt)
-        acc_g += _iq2_q8k_block(gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A)
-        acc_u += _iq2_q8k_block(uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A)
+    for kt0 in range(lo, hi, UNROLL):
+        for u in tl.static_range(UNROLL):
+            kt = tl.minimum(kt0 + u, hi - 1)
+            x8 = tl.load(xo + kt * 32 + xg)  # int64: elements 0-3 (low word), 4-7 (high word)
+            xlo = x8.to(tl.int32)
+            xhi = (x8 >> 32).to(tl.int32)
+            if TERMS == 2:
+                x8 = tl.load(xo + xplane + kt * 32 + xg)
+                x2lo = x8.to(tl.int32)
+                x2hi = (x8 >> 32).to(tl.int32)
+            else:  # unused
+                x2lo = xlo
+                x2hi = xhi
+            dx = tl.load(dx_ptr + b * nb + kt)
+            if UNROLL > 1:
+                dx = tl.where(kt0 + u < hi, dx, 0.0)
+            acc_g += _iq2_q8k_block(
+                gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A, SIGN_MATH
+            )
+            acc_u += _iq2_q8k_block(
+                uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A, SIGN_MATH
+            )
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
     _store_gate_up(out_ptr, acc_g, acc_u, pair, pid_s, n, F, clamp, CLAMP, SPLIT)
@@ -473,6 +517,7 @@ def _q2k_q8k_down_kernel(
     BN: tl.constexpr,
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
 ):
     """Q2_K down projection of one pair on its quantized mid row (xw [TERMS, pairs, F/4] int32 words, planes
     xplane = pairs F / 4 words apart; dx [pairs, F/256]); output as _down_kernel. Quant word 4c + jj (c =
@@ -501,25 +546,29 @@ def _q2k_q8k_down_kernel(
     acc = tl.zeros(
         [BN, 4, 4], dtype=tl.float32
     )  # per (row, group of 16) partial sums, reduced after the loop
-    for kt in range(lo, hi):
-        xw = tl.load(xo + kt * 64 + xcol)  # [4c, 4t, 4jj] int32: 4 int8 x each
-        dx = tl.load(dx_ptr + pair.to(tl.int64) * nb + kt)
-        w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
-        q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
-        qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
-        xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
-        if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
-            xw2 = tl.load(xo + xplane + kt * 64 + xcol)
-            qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
-            xv = _dot4(ones, xw2, xv * 254, DP4A)
-        qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
-        xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
-        s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
-        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
-        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
-        acc += (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
-            tl.float32
-        )
+    for kt0 in range(lo, hi, UNROLL):
+        for u in tl.static_range(UNROLL):
+            kt = tl.minimum(kt0 + u, hi - 1)
+            xw = tl.load(xo + kt * 64 + xcol)  # [4c, 4t, 4jj] int32: 4 int8 x each
+            dx = tl.load(dx_ptr + pair.to(tl.int64) * nb + kt)
+            if UNROLL > 1:  # a step past hi repeats block hi - 1 with dx = 0
+                dx = tl.where(kt0 + u < hi, dx, 0.0)
+            w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
+            q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
+            qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
+            xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
+            if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
+                xw2 = tl.load(xo + xplane + kt * 64 + xcol)
+                qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
+                xv = _dot4(ones, xw2, xv * 254, DP4A)
+            qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
+            xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
+            s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
+            d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
+            dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
+            acc += (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
+                tl.float32
+            )
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
     tl.store(out + n, acc * rw, mask=n < D)
@@ -549,10 +598,14 @@ class MoeConfig:
     int8: bool = False  # the Q8_K integer kernels for IQ2_XXS gate/up and Q2_K down (wins over `fast`)
     dp4a: bool = True  # int8 kernels on CUDA: PTX dp4a (False: the plain int32 expression, for A/B)
     terms: int = 2  # int8 kernels: activation int8 planes (1: plain Q8_K, ~1 % error; 2: + residual plane)
+    unroll: int = 1  # int8 kernels: super-blocks per k-loop step (more weight bytes in flight per program)
+    sign_math: bool = False  # int8 IQ2_XXS: sign byte masks computed in ALU ops instead of an L1 gather
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
             raise ValueError(f"MoeConfig.terms must be 1 or 2, got {self.terms}")
+        if self.unroll not in (1, 2, 4):
+            raise ValueError(f"MoeConfig.unroll must be 1, 2 or 4, got {self.unroll}")
 
 
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
@@ -651,7 +704,8 @@ def moe_gate_up(
         _iq2_q8k_gate_up_kernel[grid](
             xq.view(torch.int64), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
-            TERMS=cfg.terms, DP4A=_dp4a(x, cfg), num_warps=cfg.warps,
+            TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, UNROLL=cfg.unroll,
+            num_warps=cfg.warps,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
         g, u = wg.data, wu.data
@@ -711,7 +765,8 @@ def moe_down(
         w = wd.data
         _q2k_q8k_down_kernel[grid](
             xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F,
-            B * k * F // 4, per, BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
+            B * k * F // 4, per, BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), UNROLL=cfg.unroll,
+            num_warps=cfg.warps,
         )  # fmt: skip
     elif wd.qtype == GGMLType.Q2_K and cfg.fast:
         w = wd.data
