@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 MODULES = [
     "test_kernels_quant.py",
     "test_kernels_moe.py",
+    "test_kernels_moe_grouped.py",
     "test_kernels_fused.py",
     "test_kernels_side.py",
     "test_kernels_attend.py",

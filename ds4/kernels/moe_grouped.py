@@ -1,0 +1,497 @@
+"""Routed experts of a batched decode step grouped by expert: every selected expert's weight blocks decoded
+once per step for all the (row, slot) pairs routed to it (issue 8; model.md §5.5, block formats §3).
+
+moe.py's int8 kernels (MoeConfig.int8) run one program per (row, slot) PAIR and output tile, so B rows decode
+B*k experts' blocks although fewer are distinct (B = 32, k = 6: 192 pairs, ~134.5 distinct of 256), and the
+IQ2_XXS decode is instruction-bound. Here the pairs are sorted by expert on the device (moe.group_by_expert:
+no host sync) and one program takes an (expert run, output-row tile): up to PT pairs of one expert, decoding
+each super-block once and applying it to every pair's quantized activations (the same two-term Q8_K planes,
+moe.quantize_q8k, and integer dots as the int8 kernels; per pair the same f32 operations in the same order,
+so the results equal moe.moe_gate_up / moe_down up to f32 summation order).
+
+Static grid for CUDA graphs: programs over (output tile, sorted pair position p); p leads a chunk when
+(p - start of its expert's run) % PT == 0 and handles pairs p .. min(p + PT, end of run) - 1; other programs
+store nothing. A run longer than PT is split over several programs (each decodes the expert's blocks).
+
+Ids outside [0, E) (other ranks' experts under expert parallelism) contribute nothing: they are sorted into
+a sentinel run E whose programs decode nothing and store zero mid / zero down output.
+
+Per-pair down outputs [B k, D] are summed over the k slots in fixed order (no atomics: deterministic).
+
+Legend: B rows, k experts per row, P = B k pairs, K model width (4096), F expert width (2048), E experts,
+D down output rows (= K), PT pairs per program, BN output rows per program, nb super-blocks per row.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4.quant.types import GGMLType
+
+from . import ref
+from .matvec import check_weight, prep_x, use_triton
+from .moe import GATE_UP, _dot4, _iq2_sign_masks, _negate_bytes, group_by_expert, quantize_q8k
+from .packing import PackedWeight, iq2xxs_grid_i64
+
+MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up to this many
+
+
+@triton.jit
+def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb):
+    """IQ2_XXS super-block kt of rows wrow [BN], decoded once: (wlo, whi [BN, 8, 4] int32 signed grid bytes
+    of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8, 1] int32 = 2 ls + 1, d [BN] f32), as moe.py's
+    _iq2_q8k_block decodes them."""
+    sb = tl.arange(0, 8)[None, :, None]
+    lg = tl.arange(0, 4)[None, None, :]
+    w3 = wrow[:, None, None]
+    idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)  # [BN, 8, 4] u8 grid index
+    a1 = tl.load(sg + w3 * (nb * 8) + kt * 8 + sb)  # [BN, 8, 1] int32 sub-block word
+    d = tl.load(dd + wrow * nb + kt).to(tl.float32)
+    row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows
+    m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # byte masks of the sign patterns
+    wlo = _negate_bytes(row.to(tl.int32), m.to(tl.int32))
+    whi = _negate_bytes((row >> 32).to(tl.int32), (m >> 32).to(tl.int32))
+    return wlo, whi, 2 * ((a1 >> 28) & 15) + 1, d
+
+
+@triton.jit
+def _iq2_pair(
+    wlo, whi, ls, d, xw_ptr, dx_ptr, b, kt, nb, xrow, xplane, xg, TERMS: tl.constexpr, DP4A: tl.constexpr
+):
+    """[BN, 8, 4] f32 lane partials of one pair (x row b: xw words at b * xrow, int64 per group of 8) on a
+    decoded IQ2_XXS super-block: (d_w d_x) (2 ls + 1) sum_8 g v, as moe._iq2_q8k_block."""
+    xo = xw_ptr + b * xrow + kt * 32 + xg
+    x8 = tl.load(xo)  # [1, 8, 4] int64
+    dot = _dot4(whi, (x8 >> 32).to(tl.int32), _dot4(wlo, x8.to(tl.int32), 0, DP4A), DP4A)
+    if TERMS == 2:  # residual plane: v = 254 q1 + q2, the same weight words
+        x8 = tl.load(xo + xplane)
+        dot = _dot4(whi, (x8 >> 32).to(tl.int32), _dot4(wlo, x8.to(tl.int32), dot * 254, DP4A), DP4A)
+    dx = tl.load(dx_ptr + b * nb + kt)
+    return (d * dx)[:, None, None] * (dot * ls).to(tl.float32)
+
+
+@triton.jit
+def _run_chunk(eid_ptr, offs_ptr, p, E, PT: tl.constexpr):
+    """(expert e clamped into [0, E), pairs this program handles: 0 unless p leads a chunk, live: 1 if the
+    expert is a real one, first sorted position p) of sorted position p."""
+    e = tl.load(eid_ptr + p)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
+    lead = (p - start) % PT == 0
+    cnt = tl.where(lead, tl.minimum(end - p, PT), 0)
+    return tl.minimum(e, E - 1).to(tl.int64), cnt, (e < E) & (cnt > 0)
+
+
+@triton.jit
+def _pair_index(order_ptr, p, i, n_pairs):
+    """Flat pair index b * k + j of sorted position p + i (clamped to a valid position)."""
+    return tl.load(order_ptr + tl.minimum(p + i, n_pairs - 1)).to(tl.int64)
+
+
+@triton.jit
+def _gu_store(out_ptr, pidx, g, u, n, F, clamp, ok, CLAMP: tl.constexpr):
+    """mid row pidx [F] = clamped SwiGLU of the [BN, 8, 4] lane partials g, u (where ok)."""
+    g = tl.sum(tl.sum(g, axis=2), axis=1) * 0.125
+    u = tl.sum(tl.sum(u, axis=2), axis=1) * 0.125
+    if CLAMP:
+        g = tl.minimum(g, clamp)  # the gate has no lower bound (§5.5)
+        u = tl.minimum(tl.maximum(u, -clamp), clamp)
+    tl.store(out_ptr + pidx * F + n, g / (1.0 + tl.exp(-g)) * u, mask=(n < F) & ok)
+
+
+@triton.jit
+def _gate_up_grouped_kernel(
+    xw_ptr,
+    dx_ptr,
+    gq,
+    gs,
+    gd,
+    uq,
+    us,
+    ud,
+    tab64,
+    ksm,
+    order_ptr,
+    eid_ptr,
+    offs_ptr,
+    out_ptr,
+    n_slots,
+    n_pairs,
+    E,
+    F,
+    K,
+    xplane,
+    clamp,
+    BN: tl.constexpr,
+    PT: tl.constexpr,
+    CLAMP: tl.constexpr,
+    TERMS: tl.constexpr,
+    DP4A: tl.constexpr,
+):
+    """Gate and up of up to PT pairs of one expert (sorted positions p ..) on the quantized input (xw
+    [TERMS, B, K/8] int64, planes xplane words apart; dx [B, K/256]) -> mid rows out [P, F] (flat pair
+    index), the clamped SwiGLU; zeros for the sentinel expert."""
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, PT)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = e * F + tl.minimum(n, F - 1)
+    nb = K // 256
+    xrow = K // 8
+    xg = tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, 8, 4] group words
+    p0 = _pair_index(order_ptr, p, 0, n_pairs)
+    p1 = _pair_index(order_ptr, p, 1, n_pairs)
+    p2 = _pair_index(order_ptr, p, 2, n_pairs)
+    p3 = _pair_index(order_ptr, p, 3, n_pairs)
+    b0, b1, b2, b3 = p0 // n_slots, p1 // n_slots, p2 // n_slots, p3 // n_slots
+    g0 = tl.zeros([BN, 8, 4], dtype=tl.float32)  # per-lane partials of pair i, reduced after the loop
+    u0 = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    g1 = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    u1 = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    g2 = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    u2 = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    g3 = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    u3 = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    for kt in range(0, tl.where(live, nb, 0)):
+        wl, wh, ls, d = _iq2_decode(gq, gs, gd, tab64, ksm, wrow, kt, nb)
+        vl, vh, ms, c = _iq2_decode(uq, us, ud, tab64, ksm, wrow, kt, nb)
+        g0 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+        u0 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+        if PT > 1:
+            if cnt > 1:
+                g1 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b1, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+                u1 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b1, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+        if PT > 2:
+            if cnt > 2:
+                g2 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b2, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+                u2 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b2, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+        if PT > 3:
+            if cnt > 3:
+                g3 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b3, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+                u3 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b3, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+    _gu_store(out_ptr, p0, g0, u0, n, F, clamp, cnt > 0, CLAMP)
+    if PT > 1:
+        _gu_store(out_ptr, p1, g1, u1, n, F, clamp, cnt > 1, CLAMP)
+    if PT > 2:
+        _gu_store(out_ptr, p2, g2, u2, n, F, clamp, cnt > 2, CLAMP)
+    if PT > 3:
+        _gu_store(out_ptr, p3, g3, u3, n, F, clamp, cnt > 3, CLAMP)
+
+
+@triton.jit
+def _q2k_pair(
+    q,
+    s8,
+    d,
+    dmin,
+    xw_ptr,
+    dx_ptr,
+    pidx,
+    kt,
+    nb,
+    xrow,
+    xplane,
+    xcol,
+    ones,
+    TERMS: tl.constexpr,
+    DP4A: tl.constexpr,
+):
+    """[BN, 4c, 4t] f32 partials of one pair (quantized mid row pidx: xw int32 words at pidx * xrow) on a
+    decoded Q2_K super-block (q [BN, 4c, 4t, 4jj] quant bytes, s8 [BN, 4c, 4t] scale bytes, d / dmin
+    [BN, 1, 1]), as moe._q2k_q8k_down_kernel."""
+    xo = xw_ptr + pidx * xrow + kt * 64 + xcol
+    xw = tl.load(xo)  # [4c, 4t, 4jj] int32: 4 int8 x each
+    qv = _dot4(q, xw[None, :, :, :], 0, DP4A)
+    xv = _dot4(ones, xw, 0, DP4A)
+    if TERMS == 2:
+        xw2 = tl.load(xo + xplane)
+        qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
+        xv = _dot4(ones, xw2, xv * 254, DP4A)
+    qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sums of 16 q v
+    xs = tl.sum(xv, axis=2)  # [4c, 4t] sums of 16 v
+    dx = tl.load(dx_ptr + pidx * nb + kt)
+    return (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _dn_store(out_ptr, rw_ptr, pidx, acc, n, D, ok):
+    """Down output row pidx [D] = weights[pidx] * the row sums of the [BN, 4, 4] partials (where ok)."""
+    rw = tl.load(rw_ptr + pidx).to(tl.float32)
+    tl.store(out_ptr + pidx * D + n, tl.sum(tl.sum(acc, axis=2), axis=1) * rw, mask=(n < D) & ok)
+
+
+@triton.jit
+def _down_grouped_kernel(
+    xw_ptr,
+    dx_ptr,
+    qw,
+    sc,
+    dm,
+    order_ptr,
+    eid_ptr,
+    offs_ptr,
+    rw_ptr,
+    out_ptr,
+    n_pairs,
+    E,
+    D,
+    F,
+    xplane,
+    BN: tl.constexpr,
+    PT: tl.constexpr,
+    TERMS: tl.constexpr,
+    DP4A: tl.constexpr,
+):
+    """Q2_K down projection of up to PT pairs of one expert on their quantized mid rows (xw [TERMS, P, F/4]
+    int32 words, planes xplane words apart; dx [P, F/256]) -> out [P, D] (flat pair index) = weights[pair]
+    * Wd[e] @ mid[pair]; zeros for the sentinel expert. Quant word layout: moe._q2k_q8k_down_kernel."""
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, PT)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = e * D + tl.minimum(n, D - 1)
+    nb = F // 256
+    xrow = F // 4
+    c = tl.arange(0, 4)
+    t = tl.arange(0, 4)
+    jj = tl.arange(0, 4)
+    xcol = (
+        (c // 2)[:, None, None] * 32 + t[None, :, None] * 8 + (c % 2)[:, None, None] * 4 + jj[None, None, :]
+    )
+    sidx = (c // 2)[:, None] * 8 + 2 * t[None, :] + (c % 2)[:, None]  # [4c, 4t]
+    qidx = c[:, None] * 4 + jj[None, :]  # [4c, 4jj]
+    ones = tl.full([4, 4, 4], 0x01010101, tl.int32)
+    p0 = _pair_index(order_ptr, p, 0, n_pairs)
+    p1 = _pair_index(order_ptr, p, 1, n_pairs)
+    p2 = _pair_index(order_ptr, p, 2, n_pairs)
+    p3 = _pair_index(order_ptr, p, 3, n_pairs)
+    a0 = tl.zeros([BN, 4, 4], dtype=tl.float32)  # per (row, group of 16) partials of pair i
+    a1 = tl.zeros([BN, 4, 4], dtype=tl.float32)
+    a2 = tl.zeros([BN, 4, 4], dtype=tl.float32)
+    a3 = tl.zeros([BN, 4, 4], dtype=tl.float32)
+    for kt in range(0, tl.where(live, nb, 0)):
+        w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
+        q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
+        s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
+        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
+        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
+        a0 += _q2k_pair(q, s8, d, dmin, xw_ptr, dx_ptr, p0, kt, nb, xrow, xplane, xcol, ones, TERMS, DP4A)
+        if PT > 1:
+            if cnt > 1:
+                a1 += _q2k_pair(
+                    q, s8, d, dmin, xw_ptr, dx_ptr, p1, kt, nb, xrow, xplane, xcol, ones, TERMS, DP4A
+                )
+        if PT > 2:
+            if cnt > 2:
+                a2 += _q2k_pair(
+                    q, s8, d, dmin, xw_ptr, dx_ptr, p2, kt, nb, xrow, xplane, xcol, ones, TERMS, DP4A
+                )
+        if PT > 3:
+            if cnt > 3:
+                a3 += _q2k_pair(
+                    q, s8, d, dmin, xw_ptr, dx_ptr, p3, kt, nb, xrow, xplane, xcol, ones, TERMS, DP4A
+                )
+    _dn_store(out_ptr, rw_ptr, p0, a0, n, D, cnt > 0)
+    if PT > 1:
+        _dn_store(out_ptr, rw_ptr, p1, a1, n, D, cnt > 1)
+    if PT > 2:
+        _dn_store(out_ptr, rw_ptr, p2, a2, n, D, cnt > 2)
+    if PT > 3:
+        _dn_store(out_ptr, rw_ptr, p3, a3, n, D, cnt > 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch shape of the grouped kernels: output rows per program (gate/up, down), pairs per program
+    (1..MAX_PT), warps; activation planes and dp4a as moe.MoeConfig."""
+
+    bn_gu: int = 16
+    bn_dn: int = 32
+    pairs: int = 4
+    warps: int = 4
+    terms: int = GATE_UP.terms
+    dp4a: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.pairs <= MAX_PT:
+            raise ValueError(f"GroupedConfig.pairs must be in 1..{MAX_PT}, got {self.pairs}")
+        if self.terms not in (1, 2):
+            raise ValueError(f"GroupedConfig.terms must be 1 or 2, got {self.terms}")
+
+
+# Not yet timed on a GPU (tools/gpu/bench_moe_grouped.py picks): the int8 pair kernels' tiles, 4 pairs each.
+CONFIG = GroupedConfig()
+
+
+@dataclass(frozen=True)
+class ExpertRuns:
+    """The P = B k (row, slot) pairs sorted by expert, on the device (no host sync, static shapes).
+
+    order [P] int32: flat pair index b k + j in expert order (stable); eid [P] int32: expert of each sorted
+    pair (E: none, an id outside [0, E)); offsets [E + 2] int32: run of expert e = sorted positions
+    offsets[e] .. offsets[e + 1] - 1 (e = E: the sentinel run)."""
+
+    order: torch.Tensor
+    eid: torch.Tensor
+    offsets: torch.Tensor
+    n_experts: int
+    k: int
+
+
+def expert_runs(ids: torch.Tensor, n_experts: int) -> ExpertRuns:
+    """ids [B, k] (int32/int64 on any device) -> ExpertRuns; ids outside [0, n_experts) go to the sentinel."""
+    if ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_runs: ids must be [B, k] int32/int64, got {tuple(ids.shape)} {ids.dtype}")
+    e = ids.long()
+    e = torch.where((e >= 0) & (e < n_experts), e, n_experts)
+    order, offsets = group_by_expert(e, n_experts + 1)
+    eid = e.reshape(-1).index_select(0, order)
+    return ExpertRuns(order.int(), eid.int(), offsets, n_experts, ids.shape[1])
+
+
+def supports(wg: PackedWeight, wu: PackedWeight, wd: PackedWeight) -> bool:
+    """The formats these kernels take: IQ2_XXS gate/up, Q2_K down (the release expert types)."""
+    iq2 = GGMLType.IQ2_XXS
+    return wg.qtype == iq2 and wu.qtype == iq2 and wd.qtype == GGMLType.Q2_K
+
+
+def _dp4a(t: torch.Tensor, cfg: GroupedConfig) -> bool:
+    return cfg.dp4a and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _check_ids(ids: torch.Tensor, B: int, device: torch.device, what: str) -> None:
+    if ids.ndim != 2 or ids.shape[0] != B or ids.device != device:
+        raise ValueError(f"{what}: ids must be [{B}, k] on {device}, got {tuple(ids.shape)} on {ids.device}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: ids must be int32/int64, got {ids.dtype}")
+
+
+def _valid(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids clamped into [0, E), mask of the real ones) for the torch twins."""
+    ok = (ids >= 0) & (ids < E)
+    return torch.where(ok, ids, 0).to(torch.int32), ok
+
+
+def moe_gate_up_grouped(
+    x: torch.Tensor,
+    wg: PackedWeight,
+    wu: PackedWeight,
+    ids: torch.Tensor,
+    clamp: float,
+    cfg: GroupedConfig | None = None,
+    runs: ExpertRuns | None = None,
+) -> torch.Tensor:
+    """x [B, K], IQ2_XXS gate/up stacks [E, F, K], ids [B, k] -> mid [B, k, F] f32, unweighted clamped
+    SwiGLU (clamp <= 0: none), = moe.moe_gate_up with MoeConfig(int8=True) up to f32 summation order; pairs
+    with ids outside [0, E) get zeros. runs: expert_runs(ids, E) if already computed."""
+    check_weight(wg, 3, "moe_gate_up_grouped", x.device)
+    check_weight(wu, 3, "moe_gate_up_grouped", x.device)
+    if wg.qtype != GGMLType.IQ2_XXS or wu.qtype != GGMLType.IQ2_XXS or wg.shape != wu.shape:
+        raise ValueError(
+            f"moe_gate_up_grouped: gate/up must be equal IQ2_XXS stacks, got {wg.qtype.name}{wg.shape} "
+            f"and {wu.qtype.name}{wu.shape}"
+        )
+    x = prep_x(x, wg.K, "moe_gate_up_grouped")
+    _check_ids(ids, x.shape[0], x.device, "moe_gate_up_grouped")
+    cfg = cfg or CONFIG
+    E, F, K = wg.shape
+    B, k = ids.shape
+    if not use_triton(x):
+        safe, ok = _valid(ids, E)
+        return ref.moe_gate_up_q8k(x, wg, wu, safe, clamp, cfg.terms) * ok[..., None]
+    out = torch.empty(B, k, F, dtype=torch.float32, device=x.device)
+    if B * k == 0:
+        return out
+    runs = runs or expert_runs(ids, E)
+    xq, dx = quantize_q8k(x, cfg.terms)
+    g, u = wg.data, wu.data
+    _gate_up_grouped_kernel[(triton.cdiv(F, cfg.bn_gu), B * k)](
+        xq.view(torch.int64), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"],
+        iq2xxs_grid_i64(x.device), _iq2_sign_masks(x.device), runs.order, runs.eid, runs.offsets, out,
+        k, B * k, E, F, K, B * K // 8, float(clamp),
+        BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg), num_warps=cfg.warps,
+    )  # fmt: skip
+    return out
+
+
+def moe_down_grouped(
+    mid: torch.Tensor,
+    weights: torch.Tensor,
+    wd: PackedWeight,
+    ids: torch.Tensor,
+    cfg: GroupedConfig | None = None,
+    runs: ExpertRuns | None = None,
+) -> torch.Tensor:
+    """mid [B, k, F], router weights [B, k], Q2_K down stack [E, D, F], ids [B, k] -> [B, D] f32
+    = sum_j weights[b, j] * Wd[ids[b, j]] @ mid[b, j] (ids outside [0, E): nothing), = moe.moe_down with
+    MoeConfig(int8=True) up to f32 summation order; summed over j in fixed order."""
+    check_weight(wd, 3, "moe_down_grouped", mid.device)
+    if wd.qtype != GGMLType.Q2_K:
+        raise ValueError(f"moe_down_grouped: down must be a Q2_K stack, got {wd.qtype.name}")
+    if mid.ndim != 3 or mid.shape[2] != wd.K:
+        raise ValueError(f"moe_down_grouped: mid must be [B, k, {wd.K}], got {tuple(mid.shape)}")
+    B, k, F = mid.shape
+    _check_ids(ids, B, mid.device, "moe_down_grouped")
+    if ids.shape[1] != k or weights.shape != (B, k):
+        raise ValueError(
+            f"moe_down_grouped: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [{B}, {k}]"
+        )
+    cfg = cfg or CONFIG
+    E, D, _ = wd.shape
+    if not use_triton(mid):
+        safe, ok = _valid(ids, E)
+        return ref.moe_down_q8k(mid, weights * ok, wd, safe, cfg.terms)
+    if B * k == 0:
+        return torch.zeros(B, D, dtype=torch.float32, device=mid.device)
+    runs = runs or expert_runs(ids, E)
+    mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped")
+    xq, dx = quantize_q8k(mid, cfg.terms)
+    part = torch.empty(B, k, D, dtype=torch.float32, device=mid.device)  # per-pair outputs, all written
+    w = wd.data
+    _down_grouped_kernel[(triton.cdiv(D, cfg.bn_dn), B * k)](
+        xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], runs.order, runs.eid,
+        runs.offsets, weights.float().contiguous(), part, B * k, E, D, F, B * k * F // 4,
+        BN=cfg.bn_dn, PT=cfg.pairs, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
+    )  # fmt: skip
+    return part.sum(1)  # fixed order over the k slots: deterministic
+
+
+def moe_routed_grouped(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    wg: PackedWeight,
+    wu: PackedWeight,
+    wd: PackedWeight,
+    clamp: float,
+    cfg: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """The routed experts of B rows, grouped by expert: x [B, K], ids/weights [B, k] -> [B, D] f32
+    = sum_j weights[b, j] * down_e(swiglu(gate_e x_b, up_e x_b)), e = ids[b, j] (outside [0, E): nothing).
+    One device sort shared by both launches."""
+    runs = expert_runs(ids, wg.shape[0]) if use_triton(x) else None
+    mid = moe_gate_up_grouped(x, wg, wu, ids, clamp, cfg, runs)
+    return moe_down_grouped(mid, weights, wd, ids, cfg, runs)
+
+
+__all__ = [
+    "CONFIG",
+    "ExpertRuns",
+    "GroupedConfig",
+    "expert_runs",
+    "moe_down_grouped",
+    "moe_gate_up_grouped",
+    "moe_routed_grouped",
+    "supports",
+]

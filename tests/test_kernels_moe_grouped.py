@@ -1,0 +1,140 @@
+"""Routed experts grouped by expert (ds4.kernels.moe_grouped) vs the int8 pair path's torch twin.
+
+Oracles: ref.moe_gate_up_q8k / ref.moe_down_q8k (the twins of moe.py's int8 kernels: the same Q8_K
+activation planes and integer dots, summed as exact integers per block), a plain Python grouping of the
+pairs, and at Flash widths (GPU) moe.moe_gate_up / moe_down with MoeConfig(int8=True). The grouped kernels
+apply the same f32 operations per pair, so the tolerance is the int8 kernels' own against their twin
+(F32_TOL, max abs error / max |reference|). Expert ids repeat within and across rows so runs are longer
+than one pair and longer than a program's pair tile (split over programs); ids outside [0, E) must add
+nothing (expert parallel: other ranks' experts).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_env import CUDA, DEVICE, generator, rel_err
+
+from ds4.kernels import moe, moe_grouped, ref
+from ds4.kernels.packing import pack
+from ds4.quant import GGMLType, random_blocks
+
+F32_TOL = 1e-5
+E = 5
+# Expert 4: four pairs (two in row 1), expert 0 and 2: two each, expert 1: one.
+IDS = [[0, 4, 2], [4, 4, 1], [2, 0, 4]]
+# Two row tiles (a partial one), four pairs per program (every run in one program); one row tile, two pairs
+# per program (expert 4's run split over two programs), one activation plane. The interpreter never uses
+# dp4a (CPU tensors); on a GPU both do.
+CONFIGS = [
+    moe_grouped.GroupedConfig(bn_gu=16, bn_dn=32, pairs=4),
+    moe_grouped.GroupedConfig(bn_gu=32, bn_dn=64, pairs=2, terms=1, warps=2),
+]
+
+
+def _stack(qtype, shape, seed):
+    return pack(random_blocks(qtype, shape, std=0.05, generator=generator(seed)), qtype, shape)
+
+
+def _case(F: int, K: int, D: int, ids, seed: int):
+    """(gate, up [E, F, K] IQ2_XXS, down [E, D, K] Q2_K, ids [B, k], x [B, K], mid [B, k, K], weights): the
+    down stack takes K-wide mid rows so that F can be a partial row tile (a Q2_K row is whole blocks)."""
+    wg, wu = _stack(GGMLType.IQ2_XXS, (E, F, K), seed), _stack(GGMLType.IQ2_XXS, (E, F, K), seed + 1)
+    wd = _stack(GGMLType.Q2_K, (E, D, K), seed + 2)
+    ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+    B, k = ids.shape
+    gen = generator(seed + 3)
+    x = torch.randn(B, K, generator=gen, device=DEVICE)
+    mid = torch.randn(B, k, K, generator=gen, device=DEVICE)
+    weights = torch.rand(B, k, generator=gen, device=DEVICE)
+    return wg, wu, wd, ids, x, mid, weights
+
+
+def test_expert_runs_match_python_grouping():
+    ids = torch.tensor([[3, 0, 9], [3, -1, 3], [1, 0, 5]], device=DEVICE)  # E = 5: 9, -1, 5 are no expert
+    runs = moe_grouped.expert_runs(ids, 5)
+    order, eid, offs = runs.order.tolist(), runs.eid.tolist(), runs.offsets.tolist()
+    flat = ids.reshape(-1).tolist()
+    want = sorted(range(9), key=lambda p: (flat[p] if 0 <= flat[p] < 5 else 5, p))  # stable
+    assert order == want
+    assert eid == [flat[p] if 0 <= flat[p] < 5 else 5 for p in want]
+    assert offs == [0, 2, 3, 3, 6, 6, 9]  # experts 0 1 2 3 4, then the sentinel run of 3
+    assert runs.order.dtype == runs.eid.dtype == runs.offsets.dtype == torch.int32
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-t{c.terms}")
+def test_grouped_kernels_match_int8_twin(cfg):
+    wg, wu, wd, ids, x, mid, weights = _case(24, 256, 40, IDS, 50)  # partial row tiles: 24, 40 rows
+    got = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg)
+    assert got.shape == (3, 3, 24) and got.dtype == torch.float32
+    assert rel_err(got, ref.moe_gate_up_q8k(x, wg, wu, ids, 1.0, cfg.terms)) < F32_TOL
+    got = moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg)
+    assert got.shape == (3, 40) and got.dtype == torch.float32
+    assert rel_err(got, ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)) < F32_TOL
+
+
+def test_routed_grouped_other_ranks_experts_add_nothing():
+    """Ids outside [0, E) (here 7 and -1) give zero mid rows and no down contribution; the rest equals the
+    twin on the valid pairs only (their weights kept, the others' zeroed)."""
+    ids_l = [[0, 7, 2], [4, 4, -1], [2, 0, 4]]
+    wg, wu, wd, ids, x, _, weights = _case(256, 256, 16, ids_l, 60)  # F = K: mid feeds the down stack
+    cfg = moe_grouped.GroupedConfig(bn_gu=256, bn_dn=16, pairs=3)  # few programs: interpreter time
+    mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg)
+    ok = (ids >= 0) & (ids < E)
+    safe = torch.where(ok, ids, 0)
+    assert torch.equal(mid[~ok], torch.zeros_like(mid[~ok]))
+    assert rel_err(mid[ok], ref.moe_gate_up_q8k(x, wg, wu, safe, 10.0)[ok]) < F32_TOL
+    got = moe_grouped.moe_routed_grouped(x, ids, weights, wg, wu, wd, 10.0, cfg)
+    mid_ref = ref.moe_gate_up_q8k(x, wg, wu, safe, 10.0)
+    want = ref.moe_down_q8k(mid_ref, weights * ok, wd, safe)
+    assert rel_err(got, want) < F32_TOL
+    assert rel_err(got, ref.moe_down_q8k(mid_ref, weights, wd, safe)) > 1e-3  # the zeroing is visible
+
+
+def test_bad_input_is_named():
+    wg, wu, wd, ids, x, mid, weights = _case(16, 256, 16, IDS, 70)
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        moe_grouped.moe_gate_up_grouped(x, wd, wd, ids, 1.0)
+    with pytest.raises(ValueError, match="ids must be"):
+        moe_grouped.moe_gate_up_grouped(x, wg, wu, ids[:2], 1.0)
+    with pytest.raises(ValueError, match="pairs must be"):
+        moe_grouped.GroupedConfig(pairs=5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="Flash widths: GPU only")
+def test_flash_widths_match_pair_kernels_and_capture():
+    """K 4096, F 2048, 16 experts, B 32 rows of 6 (runs ~12 pairs: split over programs) against the current
+    int8 pair kernels; B 4 against the twin; one CUDA graph replayed on new inputs."""
+    Ef, K, F, k = 16, 4096, 2048, 6
+    wg, wu = _stack(GGMLType.IQ2_XXS, (Ef, F, K), 80), _stack(GGMLType.IQ2_XXS, (Ef, F, K), 81)
+    wd = _stack(GGMLType.Q2_K, (Ef, K, F), 82)
+    gen = generator(83)
+
+    def inputs(B):
+        ids = torch.rand(B, Ef, device=DEVICE, generator=gen).argsort(1)[:, :k].int()
+        x = torch.randn(B, K, device=DEVICE, generator=gen)
+        return ids, x, torch.rand(B, k, device=DEVICE, generator=gen)
+
+    ids, x, w = inputs(32)
+    gu_cfg, dn_cfg = moe.MoeConfig(16, 1, 4, int8=True), moe.MoeConfig(64, 1, 4, int8=True)
+    mid_pairs = moe.moe_gate_up(x, wg, wu, ids, 10.0, gu_cfg)
+    mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0)
+    assert rel_err(mid, mid_pairs) < F32_TOL
+    got = moe_grouped.moe_down_grouped(mid_pairs, w, wd, ids)
+    assert rel_err(got, moe.moe_down(mid_pairs, w, wd, ids, dn_cfg)) < F32_TOL
+    ids4, x4, w4 = inputs(4)
+    got4 = moe_grouped.moe_routed_grouped(x4, ids4, w4, wg, wu, wd, 10.0)
+    want4 = ref.moe_down_q8k(ref.moe_gate_up_q8k(x4, wg, wu, ids4, 10.0), w4, wd, ids4)
+    assert rel_err(got4, want4) < F32_TOL
+    s_ids, s_x, s_w = ids.clone(), x.clone(), w.clone()
+    moe_grouped.moe_routed_grouped(s_x, s_ids, s_w, wg, wu, wd, 10.0)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_grouped.moe_routed_grouped(s_x, s_ids, s_w, wg, wu, wd, 10.0)
+    ids2, x2, w2 = inputs(32)
+    s_ids.copy_(ids2), s_x.copy_(x2), s_w.copy_(w2)
+    graph.replay()
+    want = moe.moe_down(moe.moe_gate_up(x2, wg, wu, ids2, 10.0, gu_cfg), w2, wd, ids2, dn_cfg)
+    assert rel_err(out, want) < F32_TOL
