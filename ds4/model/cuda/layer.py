@@ -48,6 +48,11 @@ try:  # chunk prefill attention reading the gathered compressed rows in place (n
     from ds4.kernels.attend_prefill import attend_prefill
 except ImportError:  # pragma: no cover - no triton
     attend_prefill = None
+try:  # the prefill indexer's masked [T, C] scores in one launch (no [T, Hi, C] temporary)
+    from ds4.kernels.dispatch import use_triton
+    from ds4.kernels.indexer_prefill import indexer_scores_prefill
+except ImportError:  # pragma: no cover - no triton
+    indexer_scores_prefill = use_triton = None
 
 SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key temporaries
 
@@ -300,26 +305,52 @@ def top_rows_by_keys(score: torch.Tensor, k: int) -> torch.Tensor:
     return _order_keys(score).topk(k, dim=-1).indices
 
 
-def _indexer_pick(w, qn, xn, positions, rows, topk, inv_freq):
-    """(idx [T, k], valid [T, k]): each token's visible compressed rows, or its top-k by indexer score."""
+# The prefill indexer's scores on CUDA: "kernel" (ds4.kernels.indexer_prefill: one launch per token block, no
+# dense [T, Hi, C] temporary) or "torch" (two einsums per token block). Env DS4_PREFILL_INDEXER; off CUDA
+# (unless under TRITON_INTERPRET=1: the tests) the torch code runs. The top-k after either: "sort" (_top_rows,
+# a stable sort of every row) or "keys" (top_rows_by_keys: torch.topk over unique keys, the same indices in
+# the same order). Env DS4_PREFILL_TOPK.
+PREFILL_INDEXER = os.environ.get("DS4_PREFILL_INDEXER", "kernel")
+PREFILL_TOPK = os.environ.get("DS4_PREFILL_TOPK", "sort")
+
+
+def _indexer_pick(w, qn, xn, positions, rows, topk, inv_freq, p0: int | None = None):
+    """(idx [T, k], valid [T, k]): each token's visible compressed rows, or its top-k by indexer score.
+    p0: host value of positions[0] (read from the device, one sync, when not given)."""
     T, C = positions.shape[0], rows.shape[0]
     counts = (positions + 1) // 4  # [T]
     ar = torch.arange(C, device=xn.device)
     if C <= topk:
         return ar.expand(T, C), ar[None, :] < counts[:, None]
+    if PREFILL_INDEXER not in ("kernel", "torch") or PREFILL_TOPK not in ("sort", "keys"):
+        raise ValueError(
+            f"DS4_PREFILL_INDEXER must be kernel|torch and DS4_PREFILL_TOPK sort|keys, got "
+            f"{PREFILL_INDEXER!r} and {PREFILL_TOPK!r}"
+        )
+    kernel = PREFILL_INDEXER == "kernel" and indexer_scores_prefill is not None and use_triton(xn)
+    pick = top_rows_by_keys if PREFILL_TOPK == "keys" else _top_rows
     qi, wts = _indexer_query(w, qn, xn, positions, inv_freq)
-    n_heads = qi.shape[1]
+    if kernel and p0 is None:
+        p0 = int(positions[0])
     idx = torch.empty(T, topk, dtype=torch.long, device=xn.device)
     valid = torch.empty(T, topk, dtype=torch.bool, device=xn.device)
-    block = max(1, SCORE_BUDGET // (n_heads * C))
+    block = max(1, SCORE_BUDGET // (C if kernel else qi.shape[1] * C))  # tokens per score temporary
     for a in range(0, T, block):
         b = min(T, a + block)
-        per_head = torch.einsum("thd,cd->thc", qi[a:b], rows).relu()  # [B, Hi, C]
-        score = torch.einsum("thc,th->tc", per_head, wts[a:b])
-        score = score.masked_fill(ar[None, :] >= counts[a:b, None], float("-inf"))
-        top = _top_rows(score, topk)
+        if kernel:
+            score = indexer_scores_prefill(qi[a:b], wts[a:b], rows, p0 + a, 4)  # [B, C], -inf if hidden
+        else:
+            score = _indexer_scores_torch(qi[a:b], wts[a:b], rows, counts[a:b], ar)
+        top = pick(score, topk)
         idx[a:b], valid[a:b] = top, score.gather(-1, top) > float("-inf")
     return idx, valid
+
+
+def _indexer_scores_torch(qi, wts, rows, counts, ar):
+    """score [B, C] of a token block: dense per-head scores [B, Hi, C], ReLU, weighted head sum, mask."""
+    per_head = torch.einsum("thd,cd->thc", qi, rows).relu()  # [B, Hi, C]
+    score = torch.einsum("thc,th->tc", per_head, wts)
+    return score.masked_fill(ar[None, :] >= counts[:, None], float("-inf"))
 
 
 def _sink_attention_chunk(q, raw, raw_p0, positions, window, comp, comp_idx, comp_valid, sinks, dtype):
