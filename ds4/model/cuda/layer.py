@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ds4.model.attention import AttentionShape, CompressorWeights, compress_chunk, fp8_nope
 from ds4.model.block import LayerWeights
 from ds4.model.cuda import fused
-from ds4.model.cuda.experts import routed_decode, routed_prefill, swiglu_mid
+from ds4.model.cuda.experts import routed_prefill, swiglu_mid
 from ds4.model.cuda.state import DeviceLayerKV
 from ds4.model.cuda.weights import QLinear
 from ds4.model.hc import hc_post, hc_pre
@@ -128,18 +128,29 @@ def _indexer_query(w, qn, xn, positions, inv_freq):
     return qi, wts
 
 
-def _ffn(cfg, il: int, w: LayerWeights, X, tokens, *, decode: bool, dtype):
-    hc = dict(iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
-    x, post, comb = hc_pre(X, w.hc_ffn, **hc)
-    xf = rms_norm(x, w.ffn_norm, cfg.rms_eps)
+def _ffn_prefill(cfg, il: int, w: LayerWeights, X, tokens, dtype):
+    xf, post, comb = _hc_pre_norm(cfg, X, w.hc_ffn, w.ffn_norm)
     m, clamp = w.moe, cfg.swiglu_clamp[il]
     weights, ids = route(m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm)
-    if decode:
-        y = routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
-    else:
-        y = routed_prefill(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, dtype)
+    y = routed_prefill(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, dtype)
     y = y + lin(swiglu(xf, m.gate_sh, m.up_sh, clamp), m.down_sh)
-    return hc_post(y, X, post, comb)
+    return _hc_post(y, X, post, comb)
+
+
+def _hc_pre_norm(cfg, X, h, norm):
+    """HC collapse of X [T, S, d] + the sublayer RMSNorm -> (xn [T, d], post [T, S], comb [T, S, S]): the
+    decode step's Triton kernels (any row count: 2 launches instead of ~30 torch ops over [T, S, d]) when on,
+    else ds4.model.hc."""
+    hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
+    if fused.TRITON_FUSED:
+        return fused.hc_pre_norm(X, h.fn, h.scale, h.base, norm, *hc)
+    x, post, comb = hc_pre(X, h, iters=hc[0], rms_eps=hc[1], hc_eps=hc[2])
+    return rms_norm(x, norm, cfg.rms_eps), post, comb
+
+
+def _hc_post(f, X, post, comb):
+    """X' [T, S, d] from the sublayer output f [T, d]: one Triton launch when on, else ds4.model.hc."""
+    return fused.hc_post(f, X, post, comb) if fused.TRITON_FUSED else hc_post(f, X, post, comb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,8 +439,6 @@ def prefill_layer(blk, kv, X, tokens, p0: int, dtype):
     """X [T, S, d] -> [T, S, d] for a chunk at positions p0..; tokens [T] device ids; blk: the layer
     (ds4.model.block.Block: cfg, il, w, shape, inv_freq)."""
     cfg, il, w, shape, inv_freq = blk.cfg, blk.il, blk.w, blk.shape, blk.inv_freq
-    hc = dict(iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
-    x, post, comb = hc_pre(X, w.hc_attn, **hc)
-    xn = rms_norm(x, w.attn_norm, cfg.rms_eps)
-    X = hc_post(attention_prefill(w.attn, shape, kv, xn, p0, inv_freq, dtype), X, post, comb)
-    return _ffn(cfg, il, w, X, tokens, decode=False, dtype=dtype)
+    xn, post, comb = _hc_pre_norm(cfg, X, w.hc_attn, w.attn_norm)
+    X = _hc_post(attention_prefill(w.attn, shape, kv, xn, p0, inv_freq, dtype), X, post, comb)
+    return _ffn_prefill(cfg, il, w, X, tokens, dtype)
