@@ -131,6 +131,114 @@ def test_q8_mv1_tiles(cfg):
         matvec.q8_mv1(xg, packed(GGMLType.Q8_0, (3, 20, 256), seed=33), 20, matvec.Q8Config(bn=16))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Split-K summed inside the Q8_0 kernels (matvec.Q8_FIXUP): the last split of each output tile adds the
+# partials in split order and re-arms its counter. Oracles: the twin (dequantize + f32 matmul) and the torch
+# sum of the same partials (switch off). The two sums differ only in the order the S partials p_s are
+# added: each order is within (S - 1) u sum_s |p_s| <= (S - 1) u (|x| @ |W|^T) of the exact sum (u = 2^-24,
+# first order), so |fixup - torch sum| <= 2 S u (|x| @ |W|^T) elementwise (S, not S - 1: slack for the
+# second-order terms and bf16 W tiles). A lost or doubled partial is ~|p_s|, far above that bound.
+
+U32 = 2.0**-24
+# (B, x dtype): q8_mv1 (B = 1), the CUDA-core B-row tiles (B = 3), the tensor-core tiles (bf16, B = 6)
+FIXUP_CASES = [(1, torch.float32), (3, torch.float32), (6, torch.bfloat16)]
+
+
+def fixup_case(b: int, dtype: torch.dtype, seed: int) -> tuple[PackedWeight, torch.Tensor]:
+    """W [20, 1536] Q8_0 (a partial last row tile) and x [b, 1536]: every path splits K in 3."""
+    w = packed(GGMLType.Q8_0, (20, 1536), seed=seed)
+    return w, torch.randn(b, 1536, generator=generator(seed), device=DEVICE).to(dtype)
+
+
+def launch_splits(w: PackedWeight, b: int, dtype: torch.dtype) -> int:
+    if b == 1:
+        return matvec.q8_mv1_plan(w.N, w.K, matvec.Q8_MV1)[2]
+    return matvec.qmatvec_plan(b, w, dtype == torch.bfloat16).grid[2]
+
+
+def counter_requests(monkeypatch) -> list[int]:
+    """Records the tile counts the kernels ask counters for (one entry per call that runs the fixup)."""
+    asked: list[int] = []
+    real = matvec._split_counters
+
+    def spy(device, tiles):
+        asked.append(tiles)
+        return real(device, tiles)
+
+    monkeypatch.setattr(matvec, "_split_counters", spy)
+    return asked
+
+
+@pytest.mark.parametrize(("b", "dtype"), FIXUP_CASES, ids=["B1-mv1", "B3-tiles", "B6-bf16-dot"])
+def test_q8_split_fixup_vs_twin_and_torch_sum(b, dtype, monkeypatch):
+    w, x = fixup_case(b, dtype, seed=40 + b)
+    splits = launch_splits(w, b, dtype)
+    assert splits == 3  # else this case would not exercise the fixup
+    asked = counter_requests(monkeypatch)
+    monkeypatch.setattr(matvec, "Q8_FIXUP", True)
+    on = matvec.qmatvec(x, w)
+    assert len(asked) == 1  # the fixup ran
+    monkeypatch.setattr(matvec, "Q8_FIXUP", False)  # read at call time
+    off = matvec.qmatvec(x, w)
+    assert len(asked) == 1  # the torch sum ran: no counters
+    assert on.shape == off.shape == (b, 20) and on.dtype == torch.float32
+    tol = BF16_TOL if dtype == torch.bfloat16 else F32_TOL
+    assert rel_err(on, ref.qmatvec(x, w)) < tol
+    bound = 2 * splits * U32 * (x.double().abs() @ unpack(w).double().abs().T)
+    assert ((on.double() - off.double()).abs() <= bound).all(), float((on - off).abs().max())
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_q8_split_fixup_rearms_counters(b, monkeypatch):
+    # the last program of a tile sets its counter back to 0: else the next call's last split is misjudged and
+    # its output never written. Calls in a row (other inputs between) repeat the same bits.
+    monkeypatch.setattr(matvec, "Q8_FIXUP", True)
+    w, x = fixup_case(b, torch.float32, seed=50 + b)
+    x2 = torch.randn(x.shape, generator=generator(60 + b), device=DEVICE)
+    first = matvec.qmatvec(x, w)
+    counters = matvec._HALF_COUNTERS[x.device]
+    assert not counters.any()
+    assert rel_err(matvec.qmatvec(x2, w), ref.qmatvec(x2, w)) < F32_TOL
+    assert not counters.any()
+    assert torch.equal(matvec.qmatvec(x, w), first)
+    assert rel_err(first, ref.qmatvec(x, w)) < F32_TOL
+
+
+def test_q8_split_fixup_not_used_for_one_split(monkeypatch):
+    monkeypatch.setattr(matvec, "Q8_FIXUP", True)
+    asked = counter_requests(monkeypatch)
+    w, x = fixup_case(1, torch.float32, seed=70)
+    one = matvec.Q8Config(bn=8, tk=512, target=1)  # 3 k-tiles, 3 programs >= target: no split
+    assert matvec.q8_mv1_plan(w.N, w.K, one)[2] == 1
+    assert rel_err(matvec.q8_mv1(x[0], w, 20, one), ref.qmatvec(x, w)[0]) < F32_TOL
+    assert asked == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("n", "k", "b"),
+    [(1536, 4096, 1), (4096, 8192, 1), (4096, 2048, 4)],
+    ids=["qa_kv-B1", "o_b-B1", "shexp_down-B4"],
+)
+def test_q8_split_fixup_in_cuda_graph(n, k, b, monkeypatch):
+    # Flash decode shapes inside a CUDA graph: each replay re-arms the counters itself (no host work between
+    # replays), gives the eager call's bits on the same input, and matches the twin on a new input
+    monkeypatch.setattr(matvec, "Q8_FIXUP", True)
+    w = packed(GGMLType.Q8_0, (n, k), seed=n + k)
+    x = torch.randn(b, k, generator=generator(b), device=DEVICE)
+    assert launch_splits(w, b, torch.float32) > 1
+    matvec.qmatvec(x, w)  # compile, allocate the counters: outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = matvec.qmatvec(x, w)
+    for seed in (1, 2, 3):
+        x.copy_(torch.randn(b, k, generator=generator(seed), device=DEVICE))
+        graph.replay()
+        assert torch.equal(y, matvec.qmatvec(x, w))
+        assert rel_err(y, ref.qmatvec(x, w)) < F32_TOL
+    assert not matvec._HALF_COUNTERS[x.device].any()
+
+
 def test_dispatch_without_triton_uses_twin(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     w = packed(GGMLType.Q8_0, (8, 64), seed=2).to("cpu")
