@@ -1,11 +1,14 @@
 """Routed-expert decode kernels at Flash shapes: current (f32 dequant) vs integer (MoeConfig.int8), the latter
 with one activation plane (terms 1, plain Q8_K) and two (terms 2, + residual plane: the default).
 
-On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]        (~2 minutes)
-Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe.py --compile-only   (sm_90 build, SASS per weight)
+On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]          (~2 minutes)
+              PYTHONPATH=. python3 tools/gpu/bench_moe.py --quick [out_dir]  (< 90 s: B = 1, 4; the int8
+              default vs the session-4 variants (unroll, sign_math, k-splits); one verdict line per B)
+Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe.py --compile-only     (sm_90 build, SASS per weight
+              and per instruction class, for the defaults and every variant)
 
 Flash widths (K = 4096, F = 2048, 256 experts, 6 per row), IQ2_XXS gate/up and Q2_K down, random valid blocks
-built on the GPU (ds4.quant.random_blocks + ds4.kernels.packing.pack), B = 1, 8, 32 rows.
+built on the GPU (ds4.quant.random_blocks + ds4.kernels.packing.pack), B = 1, 4, 8, 32 rows.
   * checks (8-expert stacks, ids % 8, fresh random x / mid): max |diff| / max |ref| of every variant against
     the f32 reference (ref.moe_gate_up / moe_down on exactly dequantized weights) and of the int8 variants
     against their integer twin (ref.moe_gate_up_q8k / moe_down_q8k with the variant's terms);
@@ -40,29 +43,71 @@ from ds4.quant import GGMLType, random_blocks  # noqa: E402
 IQ2, Q2K = GGMLType.IQ2_XXS, GGMLType.Q2_K
 E, TOPK, K, F = 256, 6, 4096, 2048
 LAYERS, REPS, WARMUP = 6, 25, 3
-BATCHES = (1, 8, 32)
+BATCHES = (1, 4, 8, 32)
+QUICK = "--quick" in sys.argv
 CLAMP = 10.0
+
+
+def label(cfg: moe.MoeConfig) -> str:
+    """Short name of an int8 config: tile, warps, k-splits, unroll, sign masks, terms ('t2' / 't1' last: the
+    per-terms summary groups on it)."""
+    extra = (f" s{cfg.splits}" if cfg.splits > 1 else "") + (f" u{cfg.unroll}" if cfg.unroll > 1 else "")
+    extra += (" math" if cfg.sign_math else "") + ("" if cfg.dp4a else " int32")
+    return f"int8 bn{cfg.bn} w{cfg.warps}{extra} t{cfg.terms}"
 
 
 def _int8_variants(tiles) -> list[tuple[str, moe.MoeConfig]]:
     """(label, config) of int8 variants from (bn, warps, dp4a, terms) tuples."""
     return [
-        (f"int8 bn{bn} w{w} t{t}{'' if d else ' int32'}", moe.MoeConfig(bn, 1, w, int8=True, dp4a=d, terms=t))
-        for bn, w, d, t in tiles
+        (label(c), c) for c in (moe.MoeConfig(bn, 1, w, int8=True, dp4a=d, terms=t) for bn, w, d, t in tiles)
     ]
+
+
+def _new(**kw) -> moe.MoeConfig:
+    return moe.MoeConfig(int8=True, **kw)
+
+
+# Session-4 variants aimed at B <= 4 (see the analysis in ds4/kernels/moe.py): more weight bytes in flight per
+# program (unroll), no sign-mask gather (sign_math), more programs (k-splits, smaller tiles).
+GU_NEW = [
+    _new(bn=16, unroll=2),
+    _new(bn=16, unroll=4),
+    _new(bn=16, sign_math=True),
+    _new(bn=16, unroll=2, sign_math=True),
+    _new(bn=8, unroll=2),
+    _new(bn=8, unroll=4, sign_math=True),
+    _new(bn=16, splits=2, unroll=2),
+    _new(bn=32, warps=8, unroll=2, sign_math=True),
+]
+DN_NEW = [
+    _new(bn=64, unroll=2),
+    _new(bn=32, unroll=2),
+    _new(bn=32, unroll=4),
+    _new(bn=16, unroll=4),
+    _new(bn=64, splits=2),
+    _new(bn=32, splits=2, unroll=2),
+]
 
 
 # (label, config); the first of each list is the current f32 default. Two terms at every tile, one term at the
 # tile that was best with it (A/B of the residual plane's cost). Each variant compiles once: keep the lists
 # short (tools/gpu/session_run.sh gives the whole run 120 s).
-GU = [("current", replace(moe.GATE_UP, int8=False))] + _int8_variants(
-    [(8, 4, True, 2), (16, 4, True, 2), (32, 4, True, 2), (32, 8, True, 2), (16, 4, False, 2)]
-    + [(16, 4, True, 1)]
-)
-DOWN = [("current", replace(moe.DOWN, int8=False))] + _int8_variants(
-    [(16, 4, True, 2), (32, 4, True, 2), (64, 4, True, 2), (64, 8, True, 2), (32, 4, False, 2)]
-    + [(64, 4, True, 1)]
-)
+_OLD_INT8_GU = [(8, 4, True, 2), (16, 4, True, 2), (32, 4, True, 2), (32, 8, True, 2), (16, 4, False, 2)] + [
+    (16, 4, True, 1)
+]
+_OLD_INT8_DN = [(16, 4, True, 2), (32, 4, True, 2), (64, 4, True, 2), (64, 8, True, 2), (32, 4, False, 2)] + [
+    (64, 4, True, 1)
+]
+GU = [("current", replace(moe.GATE_UP, int8=False))] + _int8_variants(_OLD_INT8_GU)
+DOWN = [("current", replace(moe.DOWN, int8=False))] + _int8_variants(_OLD_INT8_DN)
+_GU_DEF, _DN_DEF = replace(moe.GATE_UP, int8=True), replace(moe.DOWN, int8=True)  # the engine's defaults
+if QUICK:  # the int8 default first, then the new variants
+    BATCHES = (1, 4)
+    GU = [("default " + label(_GU_DEF), _GU_DEF)] + [(label(c), c) for c in GU_NEW]
+    DOWN = [("default " + label(_DN_DEF), _DN_DEF)] + [(label(c), c) for c in DN_NEW]
+else:
+    GU += [(label(c), c) for c in GU_NEW]
+    DOWN += [(label(c), c) for c in DN_NEW]
 DEV = torch.device("cuda")
 GEN: torch.Generator  # seeded in main()
 LOG: list[str] = []
@@ -171,8 +216,57 @@ def _compile(fn, sig: dict[str, str], consts: dict, warps: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def _sass_loop(cubin: bytes) -> tuple[str, int, int]:
-    """(register line, instructions in the innermost backward-branch loop, barriers in it)."""
+_CLASSES = {  # SASS base opcode -> class, for the per-weight breakdown of --compile-only
+    **dict.fromkeys(("LDG", "LDS", "LD", "LDGSTS", "LDSM"), "ld"),
+    **dict.fromkeys(("IDP", "IDP4A"), "dp4a"),
+    **dict.fromkeys(
+        (
+            "IMAD",
+            "IADD3",
+            "LOP3",
+            "SHF",
+            "SHL",
+            "SHR",
+            "IMNMX",
+            "VIMNMX",
+            "ISETP",
+            "LEA",
+            "PRMT",
+            "SEL",
+            "IABS",
+            "VIADD",
+            "IMUL",
+            "POPC",
+            "IADD",
+            "LOP",
+        ),
+        "int",
+    ),  # fmt: skip
+    **dict.fromkeys(
+        (
+            "FFMA",
+            "FMUL",
+            "FADD",
+            "FMNMX",
+            "FSETP",
+            "FSEL",
+            "I2F",
+            "F2I",
+            "F2F",
+            "HADD2",
+            "HFMA2",
+            "I2FP",
+            "F2FP",
+            "MUFU",
+        ),
+        "fp",
+    ),  # fmt: skip
+    "BAR": "bar",
+}
+
+
+def _sass_loop(cubin: bytes) -> tuple[str, list[str]]:
+    """(register line, base opcodes of the innermost backward-branch loop)."""
     import re
     import subprocess
     import tempfile
@@ -197,106 +291,127 @@ def _sass_loop(cubin: bytes) -> tuple[str, int, int]:
         if tgt and int(tgt.group(1), 16) < addr:
             loops.append((int(tgt.group(1), 16), addr))
     if not loops:
-        return regs, 0, 0
+        return regs, []
     lo, hi = min(loops, key=lambda ab: ab[1] - ab[0])
-    body = [op for addr, op, _ in ops if lo <= addr <= hi]
-    return regs, len(body), body.count("BAR")
+    return regs, [op for addr, op, _ in ops if lo <= addr <= hi]
+
+
+def _int8_runs(quick: bool) -> list[tuple]:
+    """(label, kernel, signature, constexprs, warps, weights per loop step) of the int8 kernels: the engine's
+    defaults and the session-4 variants, plus (not quick) the older tiles and the plain-int32 forms."""
+    gu_sig = {
+        "xw_ptr": "*i64",
+        "dx_ptr": "*fp32",
+        "tab64": "*i64",
+        "ksm": "*i64",
+        "kt_per_split": "i32",
+        **_GU_SIG,
+        **_COMMON_GU,
+    }
+    dn_sig = {
+        "xw_ptr": "*i32",
+        "dx_ptr": "*fp32",
+        "qw": "*i32",
+        "sc": "*u8",
+        "dm": "*fp16",
+        "ids_ptr": "*i32",
+        "rw_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        "D": "i32",
+        "F": "i32",
+        "xplane": "i32",
+        "kt_per_split": "i32",
+    }
+    gu = [_GU_DEF, *GU_NEW]
+    dn = [_DN_DEF, *DN_NEW]
+    if not quick:
+        gu += [moe.MoeConfig(bn, 1, w, int8=True, dp4a=d, terms=t) for bn, w, d, t in _OLD_INT8_GU]
+        dn += [moe.MoeConfig(bn, 1, w, int8=True, dp4a=d, terms=t) for bn, w, d, t in _OLD_INT8_DN]
+    runs = []
+    for c in gu:
+        consts = {"BN": c.bn, "CLAMP": True, "SPLIT": c.splits > 1, "TERMS": c.terms, "DP4A": c.dp4a}
+        consts |= {"SIGN_MATH": c.sign_math, "UNROLL": c.unroll}
+        weights = 2 * c.bn * 256 * c.unroll
+        runs.append((f"gu {label(c)}", moe._iq2_q8k_gate_up_kernel, gu_sig, consts, c.warps, weights))
+    for c in dn:
+        consts = {"BN": c.bn, "TERMS": c.terms, "DP4A": c.dp4a, "UNROLL": c.unroll}
+        runs.append(
+            (f"dn {label(c)}", moe._q2k_q8k_down_kernel, dn_sig, consts, c.warps, c.bn * 256 * c.unroll)
+        )
+    return runs
+
+
+def _f32_runs() -> list[tuple]:
+    """The f32 dequant kernels ("current" of the full bench) at their tiles, for comparison."""
+    from ds4.kernels.matvec import sub_width
+
+    w_iq2 = pack(random_blocks(IQ2, (1, 256), std=0.02, generator=torch.Generator()), IQ2, (1, 256))
+    w_q2k = pack(random_blocks(Q2K, (1, 256), std=0.02, generator=torch.Generator()), Q2K, (1, 256))
+    gu_sig = {"x_ptr": "*fp32", "stride_x": "i32", "kt_per_split": "i32", **_COMMON_GU}
+    gu_sig |= {f"{m}{i}": t for m in "gu" for i, t in enumerate(("*u8", "*i32", "*fp16", "*i64"))}
+    dn_sig = {"mid_ptr": "*fp32", "w0": "*u8", "w1": "*u8", "w2": "*fp16", "w3": "*u8", "ids_ptr": "*i32"}
+    dn_sig |= {"rw_ptr": "*fp32", "out_ptr": "*fp32", "D": "i32", "F": "i32", "kt_per_split": "i32"}
+    runs = []
+    for bn, w in ((8, 4), (16, 4), (32, 8)):
+        consts = {"QT": 16, "BN": bn, "TK": 256, "SW": sub_width(w_iq2, 256), "CLAMP": True, "SPLIT": False}
+        runs.append((f"gu current bn{bn} w{w}", moe._gate_up_kernel, gu_sig, consts, w, 2 * bn * 256))
+    for bn, w in ((32, 4), (64, 4)):
+        consts = {"QT": 10, "BN": bn, "TK": 256, "SW": sub_width(w_q2k, 256)}
+        runs.append((f"dn current bn{bn} w{w}", moe._down_kernel, dn_sig, consts, w, bn * 256))
+    return runs
 
 
 def compile_only() -> None:
-    from ds4.kernels.matvec import sub_width
-
-    say(f"triton {triton.__version__}: sm_90 compile, SASS per weight in the k loop")
-    w_iq2 = pack(random_blocks(IQ2, (1, 256), std=0.02, generator=torch.Generator()), IQ2, (1, 256))
-    w_q2k = pack(random_blocks(Q2K, (1, 256), std=0.02, generator=torch.Generator()), Q2K, (1, 256))
-    runs = []
-    for bn, w in ((8, 4), (16, 4), (32, 4), (32, 8)):
-        cur_sig = {
-            "x_ptr": "*fp32",
-            "g0": "*u8",
-            "g1": "*i32",
-            "g2": "*fp16",
-            "g3": "*i64",
-            "u0": "*u8",
-            "u1": "*i32",
-            "u2": "*fp16",
-            "u3": "*i64",
-            "stride_x": "i32",
-            "kt_per_split": "i32",
-            **_COMMON_GU,
-        }
-        consts = {"QT": 16, "BN": bn, "TK": 256, "SW": sub_width(w_iq2, 256), "CLAMP": True, "SPLIT": False}
-        runs.append((f"gu current bn{bn} w{w}", moe._gate_up_kernel, cur_sig, consts, w, 2 * bn * 256))
-        int_sig = {
-            "xw_ptr": "*i64",
-            "dx_ptr": "*fp32",
-            "tab64": "*i64",
-            "ksm": "*i64",
-            "kt_per_split": "i32",
-            **_GU_SIG,
-            **_COMMON_GU,
-        }
-        for d, t in ((True, 1), (True, 2), (False, 2)):
-            consts = {"BN": bn, "CLAMP": True, "SPLIT": False, "TERMS": t, "DP4A": d}
-            runs.append(
-                (
-                    f"gu int8 bn{bn} w{w} t{t}{'' if d else ' int32'}",
-                    moe._iq2_q8k_gate_up_kernel,
-                    int_sig,
-                    consts,
-                    w,
-                    2 * bn * 256,
-                )
-            )
-    for bn, w in ((16, 4), (32, 4), (64, 4), (64, 8)):
-        cur_sig = {
-            "mid_ptr": "*fp32",
-            "w0": "*u8",
-            "w1": "*u8",
-            "w2": "*fp16",
-            "w3": "*u8",
-            "ids_ptr": "*i32",
-            "rw_ptr": "*fp32",
-            "out_ptr": "*fp32",
-            "D": "i32",
-            "F": "i32",
-            "kt_per_split": "i32",
-        }
-        consts = {"QT": 10, "BN": bn, "TK": 256, "SW": sub_width(w_q2k, 256)}
-        runs.append((f"dn current bn{bn} w{w}", moe._down_kernel, cur_sig, consts, w, bn * 256))
-        int_sig = {
-            "xw_ptr": "*i32",
-            "dx_ptr": "*fp32",
-            "qw": "*i32",
-            "sc": "*u8",
-            "dm": "*fp16",
-            "ids_ptr": "*i32",
-            "rw_ptr": "*fp32",
-            "out_ptr": "*fp32",
-            "D": "i32",
-            "F": "i32",
-            "xplane": "i32",
-            "kt_per_split": "i32",
-        }
-        for d, t in ((True, 1), (True, 2), (False, 2)):
-            runs.append(
-                (
-                    f"dn int8 bn{bn} w{w} t{t}{'' if d else ' int32'}",
-                    moe._q2k_q8k_down_kernel,
-                    int_sig,
-                    {"BN": bn, "TERMS": t, "DP4A": d},
-                    w,
-                    bn * 256,
-                )
-            )
-    for label, fn, sig, consts, warps, weights in runs:
+    """Every kernel variant compiled for sm_90; per variant: registers, the innermost loop's instructions per
+    thread and per weight (weights a thread covers per loop step), split by class (ld = LDG/LDS, dp4a = IDP,
+    int / fp ALU, bar), and the B = 1 launch: programs and resident programs per SM (register limit)."""
+    say(f"triton {triton.__version__}: sm_90 compile, SASS of the k loop per weight (--quick: int8 only)")
+    runs = _int8_runs(QUICK) + ([] if QUICK else _f32_runs())
+    say(f"  {'kernel':33s} {'regs':8s} {'loop':>4s} {'/wt':>5s}  per weight: ld dp4a int fp | bar | B=1 "
+        f"programs (per SM resident max)")  # fmt: skip
+    for name, fn, sig, consts, warps, weights in runs:
         try:
-            regs, n, bars = _sass_loop(_compile(fn, sig, consts, warps).asm["cubin"])
+            regs, body = _sass_loop(_compile(fn, sig, consts, warps).asm["cubin"])
         except Exception as exc:  # noqa: BLE001 - report every kernel
-            say(f"  {label:29s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+            say(f"  {name:33s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
             continue
-        per = n / (weights / (32 * warps)) if n else float("nan")
-        say(f"  {label:29s} {regs:8s} loop {n:4d} instr/thread ({bars} BAR): {per:5.2f} per weight")
+        per_thread = weights / (32 * warps)  # weights one thread covers per loop step
+        cls = {c: 0 for c in ("ld", "dp4a", "int", "fp", "bar")}
+        for op in body:
+            if op in _CLASSES:
+                cls[_CLASSES[op]] += 1
+        per = len(body) / per_thread if body else float("nan")
+        split = " ".join(f"{cls[c] / per_thread:4.2f}" for c in ("ld", "dp4a", "int", "fp"))
+        n_rows = F if name.startswith("gu") else K
+        progs = triton.cdiv(n_rows, consts["BN"]) * TOPK * _splits_of(name)
+        r = int(regs.split(":")[1]) if regs[4:].isdigit() else 0
+        resident = min(65536 // max(1, r * 32 * warps), 64 // warps, 32) if r else 0
+        say(f"  {name:33s} {regs:8s} {len(body):4d} {per:5.2f}  {split} | {cls['bar']:2d} | {progs:5d} "
+            f"({progs / 132:.1f}/SM, max {resident})")  # fmt: skip
+
+
+def _splits_of(name: str) -> int:
+    """k-splits of a label ('... s2 ...': 2; none: 1)."""
+    return next((int(t[1:]) for t in name.split() if t[0] == "s" and t[1:].isdigit()), 1)
+
+
+def verdict(b: int, rows: dict[str, dict[str, float]], best: dict) -> None:
+    """One line: the fastest two-term gate+up and down configs at this B vs the engine's int8 defaults."""
+    picks = []
+    for op, default in (("gu", label(_GU_DEF)), ("dn", label(_DN_DEF))):
+        t2 = {k: v for k, v in rows[op].items() if k.endswith(" t2") and "int32" not in k}
+        dflt = next((v for k, v in t2.items() if k in (default, "default " + default)), None)
+        if not t2 or dflt is None:
+            say(f"  verdict B = {b}: no {op} numbers (default or all variants failed)")
+            return
+        pick = min(t2, key=t2.get)
+        picks.append((op, pick.removeprefix("default "), t2[pick], dflt))
+    (_, gl, gt, gd), (_, dl, dt, dd) = picks
+    say(f"VERDICT B = {b}: gate+up {gl} {gt * 1e6:.1f} us (default {gd * 1e6:.1f}), "
+        f"down {dl} {dt * 1e6:.1f} us (default {dd * 1e6:.1f}); "
+        f"per layer {(gd + dd) * 1e6:.1f} -> {(gt + dt) * 1e6:.1f} us, "
+        f"x43: {(gd + dd) * 43e3:.2f} -> {(gt + dt) * 43e3:.2f} ms/token")  # fmt: skip
+    best.setdefault(str(b), {})["verdict"] = {"gate_up": gl, "down": dl, "us": (gt + dt) * 1e6}
 
 
 def main() -> None:
@@ -351,7 +466,7 @@ def main() -> None:
                 say(f"  {op} {label:26s} {t * 1e6:9.1f} {uniq * nbytes / t / 1e12:6.2f}  {e_ref:14.1e} {twin}"
                     f"{'' if how == 'graph' else ' (eager)'}")  # fmt: skip
         cur = rows["gu"].get("current", 0.0) + rows["dn"].get("current", 0.0)
-        for t in (1, 2):
+        for t in () if QUICK else (1, 2):  # --quick: no f32 "current" and no t1 rows, the verdict only
             int8 = {op: {k: v for k, v in r.items() if k.endswith(f" t{t}")} for op, r in rows.items()}
             if all(int8.values()):
                 bg = min(int8["gu"], key=int8["gu"].get)
@@ -360,6 +475,7 @@ def main() -> None:
                 say(f"  per layer: current {cur * 1e6:.1f} us, best int8 t{t} {new * 1e6:.1f} us "
                     f"({bg} / {bd}); x43 layers: {cur * 43e3:.2f} -> {new * 43e3:.2f} ms/token")  # fmt: skip
                 best.setdefault(str(b), {})[f"t{t}"] = {"gate_up": bg, "down": bd, "us": new * 1e6}
+        verdict(b, rows, best)
     say(f"total {time.time() - t0:.0f} s")
     out = [a for a in sys.argv[1:] if not a.startswith("--")]
     if out:
