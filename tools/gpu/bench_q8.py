@@ -1,0 +1,250 @@
+"""Q8_0 decode matvecs at Flash shapes: split-K summed inside the kernel (matvec.Q8_FIXUP) vs a torch sum.
+
+On the H200:  PYTHONPATH=. python3 tools/gpu/bench_q8.py            (< 90 s)
+Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_q8.py --list     (shapes and launch plans; no GPU)
+              PYTHONPATH=. python3 tools/gpu/bench_q8.py --compile-only   (sm_90 builds with Triton's bundled
+              ptxas: registers, spill stack, atomics, for fixup off and on)
+
+Shapes: the Q8_0 matrices of one Flash decode step ([out N, in K], ds4/layout.py; the engine merges q_a with
+kv and the shared expert's gate with up, DS4_MERGE_PACKED): q_a + kv [1024 + 512, 4096], q_b [64 x 512, 1024],
+o_a 8 groups of [1024, 4096] (B = 1 only: qmatvec_grouped uses q8_mv1 there; at B > 1 its own kernel, which
+has no split-K), o_b [4096, 8192], shared gate + up [2 x 2048, 4096], shared down [4096, 2048], output head
+[129280, 4096]; x f32 as the decode step passes it, B = 1 (q8_mv1) and 4 (the B-row tiles).
+  * check first (fresh random x, the first weight copy): max |got - twin| / max |twin| of the fixup against
+    ref.qmatvec (exact dequantization + f32 matmul), and of the fixup against the torch sum;
+  * timing: per (shape, B, fixup off / on) one CUDA graph of L calls on L different weight copies (L = 16;
+    4 for the 0.56 GB head, already 11x the 50 MB L2), so each call reads its weights from DRAM as in a
+    decode step; replayed R times, CUDA events, median us per call; GB/s = packed weight bytes / time.
+    Shapes with one split show no difference (no sum either way): the control rows.
+Last: per decode step (each shape's time x its count per step) off vs on.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from ds4.config import FLASH  # noqa: E402
+from ds4.kernels import matvec as mv  # noqa: E402
+from ds4.kernels import ref  # noqa: E402
+from ds4.kernels.packing import PackedWeight  # noqa: E402
+from ds4.quant import GGMLType  # noqa: E402
+
+C = FLASH
+L = 16  # weight copies per graph
+REPS, WARMUP = 20, 3
+BATCHES = (1, 4)
+# (label, N, K, groups, calls per decode step): N rows of one group; groups > 1: qmatvec_grouped
+SHAPES = [
+    ("q_a+kv", C.q_lora_rank + C.head_dim, C.n_embd, 1, C.n_layer),
+    ("q_b", C.n_head * C.head_dim, C.q_lora_rank, 1, C.n_layer),
+    ("o_a grp", C.o_lora_rank, C.n_head * C.head_dim // C.o_groups, C.o_groups, C.n_layer),
+    ("o_b", C.n_embd, C.o_groups * C.o_lora_rank, 1, C.n_layer),
+    ("shexp g+u", 2 * C.expert_ff, C.n_embd, 1, C.n_layer),
+    ("shexp down", C.n_embd, C.expert_ff, 1, C.n_layer),
+    ("head", C.n_vocab, C.n_embd, 1, 1),
+]
+
+
+def splits_of(n: int, k: int, groups: int, b: int) -> int:
+    """Split-K count of the launch qmatvec / qmatvec_grouped makes (f32 x)."""
+    if b == 1:
+        return mv.q8_mv1_plan(n * groups, k, mv.Q8_MV1)[2]
+    w = PackedWeight(GGMLType.Q8_0, (n * groups, k), {})
+    return mv.qmatvec_plan(b, w, False).grid[2]
+
+
+def random_q8(n: int, k: int, groups: int, gen: torch.Generator) -> PackedWeight:
+    """Random packed Q8_0 ([groups, n, k] if groups > 1): quants in [-127, 127], scales ~ 0.05 / 127 * 3."""
+    rows, dev = n * groups, gen.device
+    qs = torch.randint(-127, 128, (rows, k), dtype=torch.int8, device=dev, generator=gen)
+    d = (torch.rand(rows, k // 32, device=dev, generator=gen) * 2e-3 + 2e-4).half()
+    shape = (groups, n, k) if groups > 1 else (n, k)
+    return PackedWeight(GGMLType.Q8_0, shape, {"qs": qs, "d": d})
+
+
+def call(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    if len(w.shape) == 3:
+        return mv.qmatvec_grouped(x.view(x.shape[0], w.shape[0], -1), w).flatten(1)
+    return mv.qmatvec(x, w)
+
+
+def capture(calls, fixup: bool) -> torch.cuda.CUDAGraph:
+    """`calls` (run in order) captured as one CUDA graph with matvec.Q8_FIXUP = fixup."""
+    mv.Q8_FIXUP = fixup  # read by each call, so fixed in the graph
+    for c in calls:  # compile; counters and allocator warm-up outside the capture
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return graph
+
+
+def time_ab(calls) -> dict[bool, float]:
+    """{fixup: median seconds per call} of `calls` as a graph each way; replays alternate off / on so that
+    clock drift hits both alike."""
+    graphs = {fix: capture(calls, fix) for fix in (False, True)}
+    ts: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(WARMUP + REPS):
+        for fix, graph in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            if i >= WARMUP:
+                ts[fix].append(a.elapsed_time(b) * 1e-3 / len(calls))
+    return {fix: statistics.median(v) for fix, v in ts.items()}
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def check(x: torch.Tensor, w: PackedWeight) -> tuple[float, float, bool]:
+    """(fixup vs twin, fixup vs torch sum, bit-equal to the torch sum) on x."""
+    mv.Q8_FIXUP = True
+    on = call(x, w)
+    mv.Q8_FIXUP = False
+    off = call(x, w)
+    xw = x.view(x.shape[0], w.shape[0], -1) if len(w.shape) == 3 else x
+    want = (ref.qmatvec_grouped(xw, w) if len(w.shape) == 3 else ref.qmatvec(x, w)).flatten(1)
+    return rel(on, want), rel(on, off), torch.equal(on, off)
+
+
+def run(dev: torch.device) -> None:
+    gen = torch.Generator(dev).manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"{'shape':11s} {'N x K':>16s} B  S {'MB':>6s} | {'err twin':>8s} {'vs sum':>8s} | "
+          f"{'off us':>7s} {'GB/s':>6s} | {'on us':>7s} {'GB/s':>6s} | on/off")  # fmt: skip
+    step = {b: [0.0, 0.0] for b in BATCHES}  # ms per decode step: off, on
+    worst = 0.0
+    for label, n, k, groups, count in SHAPES:
+        copies = 4 if n * k > 100e6 else L
+        ws = [random_q8(n, k, groups, gen) for _ in range(copies)]
+        mb = ws[0].nbytes() / 1e6
+        for b in BATCHES:
+            if groups > 1 and b > 1:
+                continue
+            x = torch.randn(b, k * groups, device=dev, generator=gen)
+            e_twin, e_sum, same = check(torch.randn(b, k * groups, device=dev, generator=gen), ws[0])
+            worst = max(worst, e_twin)
+            t = time_ab([lambda w=w, x=x: call(x, w) for w in ws])
+            dims = f"{groups}x{n}x{k}" if groups > 1 else f"{n}x{k}"
+            s = splits_of(n, k, groups, b)
+            vs_sum = "=" if same else f"{e_sum:.1e}"  # "=": bit-equal
+            cols = [f"{label:11s} {dims:>16s} {b} {s:2d} {mb:6.1f}", f"{e_twin:8.1e} {vs_sum:>8s}"]
+            cols += [f"{t[f] * 1e6:7.1f} {mb / t[f] / 1e3:6.0f}" for f in (False, True)]
+            print(" | ".join(cols) + f" | {t[True] / t[False]:.3f}", flush=True)
+            step[b][0] += t[False] * count * 1e3
+            step[b][1] += t[True] * count * 1e3
+        del ws
+        torch.cuda.empty_cache()
+    mv.Q8_FIXUP = True
+    print(f"max rel err vs twin {worst:.1e} ({'OK' if worst < 1e-5 else 'ABOVE 1e-5'})")
+    for b, (off, on) in step.items():
+        print(
+            f"per decode step, B={b}: torch sum {off:.3f} ms, in-kernel {on:.3f} ms, saved {off - on:.3f} ms"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --list and --compile-only: no GPU needed
+
+
+def list_plans() -> None:
+    for label, n, k, groups, count in SHAPES:
+        per_b = ", ".join(
+            f"B={b}: {splits_of(n, k, groups, b)} split(s)" for b in BATCHES if groups == 1 or b == 1
+        )
+        print(f"{label:11s} N={n * groups:6d} K={k:5d} x{count}/step  {per_b}")
+
+
+_PTR = {"x_ptr": "*fp32", "qs": "*i8", "dsc": "*fp16", "w0": "*i8", "w1": "*fp16", "w2": "*i8", "w3": "*i8"}
+_PTR |= {"out_ptr": "*fp32", "sum_ptr": "*fp32", "cnt_ptr": "*i32", "w_ptr": "*fp16"}
+
+
+def _build(fn, consts: dict, warps: int, x_type: str = "*fp32"):
+    """fn compiled for sm_90 (pointers 16-byte aligned, ints i32, the given constexprs)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptr = {**_PTR, "x_ptr": x_type}
+    sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in ptr}
+    src = ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def _usage(cubin: bytes) -> str:
+    """Registers, spill stack and global atomics (ATOMG / RED: the fixup's counter) of a cubin."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        use = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", use), re.search(r"STACK:(\d+)", use)
+    atoms = len(re.findall(r"\b(?:ATOMG|RED)\.", sass))
+    return f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} atomics {atoms}"
+
+
+def compile_only() -> int:
+    q8 = mv.Q8_MV1
+    tk = 256  # tile_k of every Flash Q8_0 row length in the B-row tiles
+    runs = []
+    for fix in (False, True):
+        runs.append((f"q8_mv1 bn{q8.bn} tk{q8.tk}", mv._q8_mv1_kernel, {"BN": q8.bn, "TK": q8.tk,
+                     "STAGES": q8.stages, "FIXUP": fix}, q8.warps, "*fp32"))  # fmt: skip
+        for bb, bn, dot, xt in ((1, 16, False, "*fp32"), (4, 4, False, "*fp32"), (16, 32, True, "*bf16")):
+            consts = {"QT": 8, "BB": bb, "BN": bn, "TK": tk, "SW": tk, "USE_DOT": dot, "FIXUP": fix}
+            runs.append((f"qmv tiles BB{bb} BN{bn}{' dot' * dot}", mv._qmv_kernel, consts, 4, xt))
+    hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True}  # _split_fixup's other user
+    runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32"))
+    print(f"triton {triton.__version__}, sm_90")
+    failures = 0
+    for name, fn, consts, warps, xt in runs:
+        t0 = time.time()
+        try:
+            summary = _usage(_build(fn, consts, warps, xt).asm["cubin"])
+        except Exception as e:  # report every build
+            failures += 1
+            summary = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+        fix = consts.get("FIXUP")
+        print(
+            f"  {name:26s} fixup {'on ' if fix else 'off'}  {summary}  ({time.time() - t0:.1f} s)", flush=True
+        )
+    print(f"{len(runs) - failures} of {len(runs)} builds for sm_90 compiled")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    if "--list" in sys.argv:
+        list_plans()
+        return 0
+    if "--compile-only" in sys.argv:
+        return compile_only()
+    if not torch.cuda.is_available():
+        print("bench_q8: needs a CUDA GPU (--list / --compile-only run anywhere)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    run(torch.device("cuda"))
+    print(f"({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
