@@ -529,18 +529,19 @@ def test_iq2_sign_bits_exhaustive():
     assert torch.equal(table.long(), bits * 255)
 
 
-# Session-4 B <= 4 variants: computed sign masks, 4 / 2 super-blocks per loop step (2 blocks here, one per
-# k-split in the second: both end on a partial step), each against the exact integer twin.
+# Session-4 B <= 4 variants: table lookups by tl.gather (grid; sign masks computed in the first, gathered in
+# the second), 4 / 2 super-blocks per loop step (2 blocks here, one per k-split in the second: both end on a
+# partial step), each against the exact integer twin.
 VARIANT_CONFIGS = [
-    moe.MoeConfig(16, 1, 4, int8=True, sign_math=True, unroll=4),
-    moe.MoeConfig(16, 2, 4, int8=True, unroll=2, terms=1),
+    moe.MoeConfig(16, 1, 4, int8=True, sign_math=True, unroll=4, gather=True),
+    moe.MoeConfig(16, 2, 4, int8=True, unroll=2, terms=1, gather=True),
 ]
 
 
 @pytest.mark.parametrize(
     "cfg",
     VARIANT_CONFIGS,
-    ids=lambda c: f"s{c.splits}-u{c.unroll}-{'math' if c.sign_math else 'tab'}-t{c.terms}",
+    ids=lambda c: f"s{c.splits}-u{c.unroll}-{'math' if c.sign_math else 'masks'}-t{c.terms}",
 )
 def test_moe_int8_variants(cfg):
     wg, wu, wd, ids, x, mid, weights = _int8_case(16, 512, 54)
@@ -623,3 +624,36 @@ def test_moe_int8_flash_widths_cuda():
     graph.replay()
     want = ref.moe_down_q8k(ref.moe_gate_up_q8k(x, wg, wu, ids, 10.0), weights, wd, ids)
     assert rel_err(out, want) < F32_TOL
+
+
+@pytest.mark.cuda
+def test_moe_int8_variants_flash_widths_cuda():
+    """The session-4 variants (unroll, sign_math, gather, k-splits, small tiles) at Flash widths on the GPU,
+    B = 1 and 4, each at its integer twin (gate/up with the clamp active, down with router weights)."""
+    assert CUDA
+    F, K = 2048, 4096
+    wg, _ = stack(GGMLType.IQ2_XXS, (8, F, K), 60)
+    wu, _ = stack(GGMLType.IQ2_XXS, (8, F, K), 61)
+    wd, _ = stack(GGMLType.Q2_K, (8, K, F), 62)
+    gen = generator(63)
+    configs = [
+        moe.MoeConfig(16, 1, 4, int8=True, unroll=2),
+        moe.MoeConfig(16, 1, 4, int8=True, sign_math=True),
+        moe.MoeConfig(16, 1, 4, int8=True, gather=True),
+        moe.MoeConfig(16, 1, 4, int8=True, gather=True, sign_math=True, unroll=2),
+        moe.MoeConfig(8, 1, 4, int8=True, unroll=4, sign_math=True),
+        moe.MoeConfig(32, 2, 8, int8=True, unroll=2, gather=True),
+        moe.MoeConfig(64, 2, 4, int8=True, unroll=4, terms=1),
+    ]
+    for b in (1, 4):
+        ids = torch.randint(0, 8, (b, 6), generator=gen, device=DEVICE).int()
+        x = torch.randn(b, K, generator=gen, device=DEVICE)
+        mid = torch.randn(b, 6, F, generator=gen, device=DEVICE)
+        weights = torch.rand(b, 6, generator=gen, device=DEVICE)
+        for terms in (1, 2):
+            want_gu = ref.moe_gate_up_q8k(x, wg, wu, ids, 10.0, terms)
+            want_d = ref.moe_down_q8k(mid, weights, wd, ids, terms)
+            for cfg in (c for c in configs if c.terms == terms):
+                got = moe.moe_gate_up(x, wg, wu, ids, 10.0, cfg)
+                assert rel_err(got, want_gu) < F32_TOL, (b, cfg)
+                assert rel_err(moe.moe_down(mid, weights, wd, ids, cfg), want_d) < F32_TOL, (b, cfg)

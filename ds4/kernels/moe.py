@@ -394,9 +394,12 @@ def _iq2_q8k_block(
     x2lo,
     x2hi,
     dx,
+    tab_r,
+    ksm_r,
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
     SIGN_MATH: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g v per group 4 sb + l of IQ2_XXS super-block kt of rows
     wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
@@ -408,7 +411,12 @@ def _iq2_q8k_block(
     idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)  # [BN, 8, 4] u8 grid index
     a1 = tl.load(sg + w3 * (nb * 8) + kt * 8 + sb)  # [BN, 8, 1] int32 sub-block word
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)  # [BN]
-    row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows (one 8-byte gather per group)
+    if (
+        GATHER
+    ):  # the tables held in registers (tab_r [256], ksm_r [128]): tl.gather goes through shared memory
+        row = tl.reshape(tl.gather(tab_r, tl.reshape(idx.to(tl.int32), (idx.numel,)), 0), idx.shape)
+    else:
+        row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows (one 8-byte L1 gather per group)
     lo = row.to(tl.int32)  # bytes 0-3 (truncation)
     hi = (row >> 32).to(tl.int32)  # bytes 4-7
     if SIGN_MATH:  # no second gather: the byte masks from the 7 sign bits in ALU ops (~12 per group)
@@ -416,7 +424,11 @@ def _iq2_q8k_block(
         wlo = (lo ^ (bl * 255)) + bl  # = _negate_bytes(lo, bl * 255)
         whi = (hi ^ (bh * 255)) + bh
     else:
-        m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
+        si = (a1 >> (7 * lg)) & 127
+        if GATHER:
+            m = tl.reshape(tl.gather(ksm_r, tl.reshape(si, (si.numel,)), 0), si.shape)
+        else:
+            m = tl.load(ksm + si)  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
         wlo = _negate_bytes(lo, m.to(tl.int32))  # signed grid bytes, shared by both planes
         whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
     dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
@@ -454,11 +466,13 @@ def _iq2_q8k_gate_up_kernel(
     DP4A: tl.constexpr,
     SIGN_MATH: tl.constexpr = False,
     UNROLL: tl.constexpr = 1,
+    GATHER: tl.constexpr = False,
 ):
     """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/8] int64: one group's 8
     int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel.
     UNROLL super-blocks per loop step (their loads in flight together; a step past hi repeats block hi - 1
-    with dx = 0); SIGN_MATH: sign masks computed, not gathered (_iq2_sign_bits)."""
+    with dx = 0); SIGN_MATH: sign masks computed, not gathered (_iq2_sign_bits); GATHER: table lookups by
+    tl.gather from register copies (shared memory on the GPU) instead of global (L1) gathers."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -472,6 +486,8 @@ def _iq2_q8k_gate_up_kernel(
     lo = pid_s * kt_per_split
     hi = tl.minimum(lo + kt_per_split, nb)
     acc_g = tl.zeros([BN, 8, 4], dtype=tl.float32)  # per-lane partial sums, reduced after the loop
+    tab_r = tl.load(tab64 + tl.arange(0, 256)) if GATHER else 0
+    ksm_r = tl.load(ksm + tl.arange(0, 128)) if GATHER else 0
     acc_u = tl.zeros([BN, 8, 4], dtype=tl.float32)
     for kt0 in range(lo, hi, UNROLL):
         for u in tl.static_range(UNROLL):
@@ -490,10 +506,46 @@ def _iq2_q8k_gate_up_kernel(
             if UNROLL > 1:
                 dx = tl.where(kt0 + u < hi, dx, 0.0)
             acc_g += _iq2_q8k_block(
-                gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A, SIGN_MATH
+                gq,
+                gs,
+                gd,
+                tab64,
+                ksm,
+                wrow,
+                kt,
+                nb,
+                xlo,
+                xhi,
+                x2lo,
+                x2hi,
+                dx,
+                tab_r,
+                ksm_r,
+                TERMS,
+                DP4A,
+                SIGN_MATH,
+                GATHER,
             )
             acc_u += _iq2_q8k_block(
-                uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A, SIGN_MATH
+                uq,
+                us,
+                ud,
+                tab64,
+                ksm,
+                wrow,
+                kt,
+                nb,
+                xlo,
+                xhi,
+                x2lo,
+                x2hi,
+                dx,
+                tab_r,
+                ksm_r,
+                TERMS,
+                DP4A,
+                SIGN_MATH,
+                GATHER,
             )
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
@@ -600,6 +652,7 @@ class MoeConfig:
     terms: int = 2  # int8 kernels: activation int8 planes (1: plain Q8_K, ~1 % error; 2: + residual plane)
     unroll: int = 1  # int8 kernels: super-blocks per k-loop step (more weight bytes in flight per program)
     sign_math: bool = False  # int8 IQ2_XXS: sign byte masks computed in ALU ops instead of an L1 gather
+    gather: bool = False  # int8 IQ2_XXS: table lookups via tl.gather (shared memory) instead of L1 gathers
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
@@ -705,7 +758,7 @@ def moe_gate_up(
             xq.view(torch.int64), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
             TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, UNROLL=cfg.unroll,
-            num_warps=cfg.warps,
+            GATHER=cfg.gather, num_warps=cfg.warps,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
         g, u = wg.data, wu.data

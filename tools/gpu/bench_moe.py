@@ -52,7 +52,9 @@ def label(cfg: moe.MoeConfig) -> str:
     """Short name of an int8 config: tile, warps, k-splits, unroll, sign masks, terms ('t2' / 't1' last: the
     per-terms summary groups on it)."""
     extra = (f" s{cfg.splits}" if cfg.splits > 1 else "") + (f" u{cfg.unroll}" if cfg.unroll > 1 else "")
-    extra += (" math" if cfg.sign_math else "") + ("" if cfg.dp4a else " int32")
+    extra += (
+        (" math" if cfg.sign_math else "") + (" smem" if cfg.gather else "") + ("" if cfg.dp4a else " int32")
+    )
     return f"int8 bn{cfg.bn} w{cfg.warps}{extra} t{cfg.terms}"
 
 
@@ -68,7 +70,8 @@ def _new(**kw) -> moe.MoeConfig:
 
 
 # Session-4 variants aimed at B <= 4 (see the analysis in ds4/kernels/moe.py): more weight bytes in flight per
-# program (unroll), no sign-mask gather (sign_math), more programs (k-splits, smaller tiles).
+# program (unroll), no sign-mask gather (sign_math), table lookups in shared memory instead of L1 (gather),
+# more programs (k-splits, smaller tiles).
 GU_NEW = [
     _new(bn=16, unroll=2),
     _new(bn=16, unroll=4),
@@ -78,6 +81,10 @@ GU_NEW = [
     _new(bn=8, unroll=4, sign_math=True),
     _new(bn=16, splits=2, unroll=2),
     _new(bn=32, warps=8, unroll=2, sign_math=True),
+    _new(bn=16, gather=True),
+    _new(bn=16, gather=True, sign_math=True),
+    _new(bn=16, gather=True, sign_math=True, unroll=2),
+    _new(bn=32, warps=8, gather=True, sign_math=True),
 ]
 DN_NEW = [
     _new(bn=64, unroll=2),
@@ -330,7 +337,7 @@ def _int8_runs(quick: bool) -> list[tuple]:
     runs = []
     for c in gu:
         consts = {"BN": c.bn, "CLAMP": True, "SPLIT": c.splits > 1, "TERMS": c.terms, "DP4A": c.dp4a}
-        consts |= {"SIGN_MATH": c.sign_math, "UNROLL": c.unroll}
+        consts |= {"SIGN_MATH": c.sign_math, "UNROLL": c.unroll, "GATHER": c.gather}
         weights = 2 * c.bn * 256 * c.unroll
         runs.append((f"gu {label(c)}", moe._iq2_q8k_gate_up_kernel, gu_sig, consts, c.warps, weights))
     for c in dn:
