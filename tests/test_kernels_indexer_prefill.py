@@ -87,6 +87,7 @@ def test_qat_values_are_exact_in_bf16() -> None:
         (37, 4, 128, 45, 150),  # chunk at p0 > 0; T and C not multiples of the 16-tiles; masked upper part
         (20, 3, 32, 5, 0),  # first chunk (C = 20 // 4), a short head dim
         (16, 2, 64, 33, 120),  # every row visible to every token: no mask inside the tiles
+        (80, 2, 64, 21, 4),  # tiles wholly past their tokens' rows are skipped; one with a single row is not
     ],
 )
 def test_kernel_matches_oracle_and_twin(T: int, Hi: int, Di: int, C: int, p0: int) -> None:
@@ -148,6 +149,7 @@ def test_pick_kernel_equals_torch(T: int, p0: int, k: int, Hi: int, monkeypatch)
     C = (p0 + T) // 4
     w, qn, xn, rows, inv_freq = _pick_inputs(T, Hi, Di, C, d, seed=T + p0)
     positions = torch.arange(p0, p0 + T)
+    monkeypatch.setattr(layer, "SCORE_BUDGET", 7 * C)  # token blocks of 7 (kernel) / 7 // Hi (torch)
     picks = {}
     for mode, topk in (("torch", "sort"), ("kernel", "sort"), ("kernel", "keys")):
         monkeypatch.setattr(layer, "PREFILL_INDEXER", mode)
