@@ -20,6 +20,7 @@ from ds4.kernels.packing import pack
 from ds4.quant import GGMLType, random_blocks
 
 F32_TOL = 1e-5
+CHAIN_TOL = 1e-4  # gate/up then down: a last-bit difference in mid can move one Q8_K rounding of mid
 E = 5
 # Expert 4: four pairs (two in row 1), expert 0 and 2: two each, expert 1: one.
 IDS = [[0, 4, 2], [4, 4, 1], [2, 0, 4]]
@@ -87,7 +88,7 @@ def test_routed_grouped_other_ranks_experts_add_nothing():
     got = moe_grouped.moe_routed_grouped(x, ids, weights, wg, wu, wd, 10.0, cfg)
     mid_ref = ref.moe_gate_up_q8k(x, wg, wu, safe, 10.0)
     want = ref.moe_down_q8k(mid_ref, weights * ok, wd, safe)
-    assert rel_err(got, want) < F32_TOL
+    assert rel_err(got, want) < CHAIN_TOL
     assert rel_err(got, ref.moe_down_q8k(mid_ref, weights, wd, safe)) > 1e-3  # the zeroing is visible
 
 
@@ -126,7 +127,7 @@ def test_flash_widths_match_pair_kernels_and_capture():
     ids4, x4, w4 = inputs(4)
     got4 = moe_grouped.moe_routed_grouped(x4, ids4, w4, wg, wu, wd, 10.0)
     want4 = ref.moe_down_q8k(ref.moe_gate_up_q8k(x4, wg, wu, ids4, 10.0), w4, wd, ids4)
-    assert rel_err(got4, want4) < F32_TOL
+    assert rel_err(got4, want4) < CHAIN_TOL
     s_ids, s_x, s_w = ids.clone(), x.clone(), w.clone()
     moe_grouped.moe_routed_grouped(s_x, s_ids, s_w, wg, wu, wd, 10.0)  # compile outside the capture
     torch.cuda.synchronize()
@@ -137,4 +138,4 @@ def test_flash_widths_match_pair_kernels_and_capture():
     s_ids.copy_(ids2), s_x.copy_(x2), s_w.copy_(w2)
     graph.replay()
     want = moe.moe_down(moe.moe_gate_up(x2, wg, wu, ids2, 10.0, gu_cfg), w2, wd, ids2, dn_cfg)
-    assert rel_err(out, want) < F32_TOL
+    assert rel_err(out, want) < CHAIN_TOL

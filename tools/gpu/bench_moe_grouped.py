@@ -1,0 +1,355 @@
+"""Routed experts of a batched decode step: the int8 pair kernels (moe.moe_gate_up / moe_down, one program per
+(row, slot) pair) vs the grouped-by-expert kernels (ds4.kernels.moe_grouped: one program per expert run).
+
+On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py [out_dir]        (< 90 s)
+Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py --compile-only   (sm_90 build, SASS)
+
+Flash widths (K = 4096, F = 2048, 256 experts, 6 per row), IQ2_XXS gate/up and Q2_K down, random valid blocks
+built on the GPU, B = 8, 16, 32 rows. Routing: per layer a random expert popularity (N(0, 0.5) logits) plus
+Gumbel noise per row, top 6: distinct experts per row, some experts more popular than others.
+  * check first (fresh random inputs, layer 0's full stacks): grouped vs the pair kernels (max |diff| /
+    max |pair|, B = 32, plus ids outside [0, E) zeroed on both sides) and vs the integer twin
+    (ref.moe_gate_up_q8k / moe_down_q8k, B = 2);
+  * timing: one CUDA graph per variant running the op once per layer over L layers' stacks (cold-ish L2),
+    replayed R times, CUDA events, median us per layer call. gate/up times include quantizing x and (grouped)
+    sorting the pairs; down times quantizing mid. GB/s = packed bytes of the DISTINCT experts the call reads /
+    time. Per B: best gate/up + best down of each kind, and the whole routed call (x43 layers per step).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from ds4.kernels import moe, moe_grouped, ref  # noqa: E402
+from ds4.kernels.moe_grouped import GroupedConfig  # noqa: E402
+from ds4.kernels.packing import pack  # noqa: E402
+from ds4.quant import GGMLType, random_blocks  # noqa: E402
+
+IQ2, Q2K = GGMLType.IQ2_XXS, GGMLType.Q2_K
+E, TOPK, K, F = 256, 6, 4096, 2048
+LAYERS, REPS, WARMUP = 4, 20, 3
+BATCHES = (8, 16, 32)
+CHECK_B = (32, 2)  # rows of the check against the pair kernels, against the twin
+CLAMP = 10.0
+CHAIN_TOL = 1e-4
+PAIR_GU = moe.MoeConfig(bn=16, splits=1, warps=4, int8=True)  # the engine's int8 defaults (session 3)
+PAIR_DN = moe.MoeConfig(bn=64, splits=1, warps=4, int8=True)
+GU_VARIANTS = [
+    GroupedConfig(bn_gu=16, pairs=4),
+    GroupedConfig(bn_gu=8, pairs=4),
+    GroupedConfig(bn_gu=32, pairs=4),
+    GroupedConfig(bn_gu=16, pairs=2),
+    GroupedConfig(bn_gu=32, pairs=4, warps=8),
+]
+DN_VARIANTS = [
+    GroupedConfig(bn_dn=32, pairs=4),
+    GroupedConfig(bn_dn=64, pairs=4),
+    GroupedConfig(bn_dn=16, pairs=4),
+    GroupedConfig(bn_dn=64, pairs=2),
+]
+DEV = torch.device("cuda")
+GEN: torch.Generator
+LOG: list[str] = []
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def packed(qtype, shape):
+    return pack(random_blocks(qtype, shape, std=0.02, generator=GEN), qtype, shape)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def route(b: int, bias: torch.Tensor) -> torch.Tensor:
+    """[b, 6] int32 distinct experts per row: top 6 of popularity bias [E] + Gumbel noise."""
+    u = torch.rand(b, E, device=DEV, generator=GEN).clamp_min(1e-9)
+    return (bias[None, :] - torch.log(-torch.log(u))).topk(TOPK, dim=1).indices.int().contiguous()
+
+
+def gu_label(c: GroupedConfig) -> str:
+    return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}"
+
+
+def dn_label(c: GroupedConfig) -> str:
+    return f"grouped bn{c.bn_dn} pt{c.pairs} w{c.warps}"
+
+
+def time_calls(calls) -> float:
+    """Median seconds per call of the list `calls` (run in order), from a CUDA graph of all of them."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(WARMUP):
+        graph.replay()
+    ts = []
+    for _ in range(REPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3 / len(calls))
+    return statistics.median(ts)
+
+
+def grouped_gu(x, wg, wu, ids, cfg):
+    runs = moe_grouped.expert_runs(ids, E)
+    return moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, CLAMP, cfg, runs)
+
+
+def check(layer, bias) -> bool:
+    """Grouped vs pair kernels (B = 32) and vs the integer twin (B = 2); True when all within 1e-5."""
+    wg, wu, wd = layer
+    ok = True
+    for b in CHECK_B:
+        ids = route(b, bias)
+        x = torch.randn(b, K, device=DEV, generator=GEN)
+        rw = torch.rand(b, TOPK, device=DEV, generator=GEN)
+        if b == CHECK_B[0]:
+            ids[0, 1], ids[-1, 3] = -1, E + 7  # other ranks' experts: nothing on either side
+            rw_valid = rw * ((ids >= 0) & (ids < E))
+            safe = ids.clamp(0, E - 1)
+            want_mid = moe.moe_gate_up(x, wg, wu, safe, CLAMP, PAIR_GU)
+            want_y = moe.moe_down(want_mid, rw_valid, wd, safe, PAIR_DN)
+            what = "pair kernels"
+        else:
+            want_mid = ref.moe_gate_up_q8k(x, wg, wu, ids, CLAMP)
+            want_y = ref.moe_down_q8k(want_mid, rw, wd, ids)
+            what = "int twin"
+        for cfg in (GU_VARIANTS[0], DN_VARIANTS[0]):
+            mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, CLAMP, cfg)
+            y = moe_grouped.moe_down_grouped(want_mid, rw, wd, ids, cfg)  # the same mid: f32 order only
+            chain = moe_grouped.moe_routed_grouped(x, ids, rw, wg, wu, wd, CLAMP, cfg)
+            valid = ((ids >= 0) & (ids < E))[..., None]
+            e_mid = rel_err(mid * valid, want_mid * valid)
+            zero = bool((mid * ~valid).abs().max() == 0)
+            e_y, e_chain = rel_err(y, want_y), rel_err(chain, want_y)
+            # chained: mid differing in the last bit can move one Q8_K rounding of mid: CHAIN_TOL
+            good = e_mid < 1e-5 and e_y < 1e-5 and e_chain < CHAIN_TOL and zero
+            ok &= good
+            flag = "" if good else "  <-- FAIL"
+            say(f"  check B={b:2d} vs {what:12s} {gu_label(cfg)[8:]:14s}/{dn_label(cfg)[8:]:14s}: mid "
+                f"{e_mid:.1e}, down {e_y:.1e}, chained {e_chain:.1e}, other ids 0 {zero}{flag}")  # fmt: skip
+    return ok
+
+
+def bench(layers, biases, t0) -> dict:
+    gu_bytes = 2 * layers[0][0].nbytes() / E  # gate + up bytes of one expert
+    dn_bytes = layers[0][2].nbytes() / E
+    summary = {}
+    for b in BATCHES:
+        if time.time() - t0 > 75:
+            say(f"B = {b}: skipped (time budget)")
+            continue
+        ids = [route(b, biases[i]) for i in range(LAYERS)]
+        x = [torch.randn(b, K, device=DEV, generator=GEN) for _ in range(LAYERS)]
+        mid = [torch.randn(b, TOPK, F, device=DEV, generator=GEN) for _ in range(LAYERS)]
+        rw = [torch.rand(b, TOPK, device=DEV, generator=GEN) for _ in range(LAYERS)]
+        uniq = statistics.mean(len(set(i.reshape(-1).tolist())) for i in ids)
+        say(f"B = {b}: {b * TOPK} pairs, {uniq:.1f} distinct experts per layer")
+        rows: dict[str, dict[str, float]] = {"gu": {}, "dn": {}}
+        L = range(LAYERS)
+        gu = [
+            (
+                "pair int8 bn16",
+                [partial(moe.moe_gate_up, x[i], *layers[i][:2], ids[i], CLAMP, PAIR_GU) for i in L],
+            )
+        ]
+        gu += [
+            (gu_label(c), [partial(grouped_gu, x[i], *layers[i][:2], ids[i], c) for i in L])
+            for c in GU_VARIANTS
+        ]
+        dn = [
+            (
+                "pair int8 bn64",
+                [partial(moe.moe_down, mid[i], rw[i], layers[i][2], ids[i], PAIR_DN) for i in L],
+            )
+        ]
+        runs = [moe_grouped.expert_runs(ids[i], E) for i in L]
+        dn += [
+            (
+                dn_label(c),
+                [
+                    partial(moe_grouped.moe_down_grouped, mid[i], rw[i], layers[i][2], ids[i], c, runs[i])
+                    for i in L
+                ],
+            )
+            for c in DN_VARIANTS
+        ]
+        for op, variants, nbytes in (("gu", gu, gu_bytes), ("dn", dn, dn_bytes)):
+            for label, calls in variants:
+                try:
+                    t = time_calls(calls)
+                except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
+                    say(f"  {op} {label:24s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                rows[op][label] = t
+                say(f"  {op} {label:24s} {t * 1e6:9.1f} us  {uniq * nbytes / t / 1e9:7.0f} GB/s")
+        pair = rows["gu"].get("pair int8 bn16", 0.0) + rows["dn"].get("pair int8 bn64", 0.0)
+        g_gu = {k: v for k, v in rows["gu"].items() if k.startswith("grouped")}
+        g_dn = {k: v for k, v in rows["dn"].items() if k.startswith("grouped")}
+        if g_gu and g_dn:
+            bg, bd = min(g_gu, key=g_gu.get), min(g_dn, key=g_dn.get)
+            new = g_gu[bg] + g_dn[bd]
+            say(f"  per layer: pair {pair * 1e6:.1f} us, grouped {new * 1e6:.1f} us ({bg} / {bd}); "
+                f"x43 layers: {pair * 43e3:.2f} -> {new * 43e3:.2f} ms/step")  # fmt: skip
+            summary[str(b)] = {"gate_up": bg, "down": bd, "pair_us": pair * 1e6, "grouped_us": new * 1e6}
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --compile-only (any machine, no GPU): sm_90 build with the ptxas bundled in Triton; registers, spills and
+# the instructions of the k loop (all PT pairs' branches included).
+
+_GU_SIG = {
+    "xw_ptr": "*i64",
+    "dx_ptr": "*fp32",
+    "gq": "*u8",
+    "gs": "*i32",
+    "gd": "*fp16",
+    "uq": "*u8",
+    "us": "*i32",
+    "ud": "*fp16",
+    "tab64": "*i64",
+    "ksm": "*i64",
+    "order_ptr": "*i32",
+    "eid_ptr": "*i32",
+    "offs_ptr": "*i32",
+    "out_ptr": "*fp32",
+    "n_slots": "i32",
+    "n_pairs": "i32",
+    "E": "i32",
+    "F": "i32",
+    "K": "i32",
+    "xplane": "i32",
+    "clamp": "fp32",
+}
+_DN_SIG = {
+    "xw_ptr": "*i32",
+    "dx_ptr": "*fp32",
+    "qw": "*i32",
+    "sc": "*u8",
+    "dm": "*fp16",
+    "order_ptr": "*i32",
+    "eid_ptr": "*i32",
+    "offs_ptr": "*i32",
+    "rw_ptr": "*fp32",
+    "out_ptr": "*fp32",
+    "n_pairs": "i32",
+    "E": "i32",
+    "D": "i32",
+    "F": "i32",
+    "xplane": "i32",
+}
+
+
+def _compile(fn, sig: dict[str, str], consts: dict, warps: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    full = {n: sig.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if full[n].startswith("*")}
+    src = ASTSource(fn, signature=full, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def _sass_stats(cubin: bytes) -> tuple[str, int, int]:
+    """(resource line: registers, spills; instructions between the outermost backward branch and its target,
+    dp4a (IDP.4A) count in the whole kernel)."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    res = " ".join(t for t in usage.split() if t.startswith(("REG:", "STACK:", "LOCAL:")))
+    ops = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\d+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in ops:
+        tgt = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if tgt and int(tgt.group(1), 16) < addr:
+            loops.append((int(tgt.group(1), 16), addr))
+    n_loop = 0
+    if loops:
+        lo, hi = max(loops, key=lambda ab: ab[1] - ab[0])
+        n_loop = sum(1 for addr, _, _ in ops if lo <= addr <= hi)
+    return res, n_loop, sum(1 for _, op, _ in ops if op.startswith("IDP"))
+
+
+def compile_only() -> None:
+    say(f"triton {triton.__version__}: sm_90 compile of the grouped kernels")
+    runs = []
+    for bn, pt, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (16, 2, 4), (32, 4, 8)):
+        for t in (2, 1):
+            consts = {"BN": bn, "PT": pt, "CLAMP": True, "TERMS": t, "DP4A": True}
+            runs.append(
+                (f"gu bn{bn} pt{pt} w{w} t{t}", moe_grouped._gate_up_grouped_kernel, _GU_SIG, consts, w)
+            )
+    for bn, pt, w in ((16, 4, 4), (32, 4, 4), (64, 4, 4), (64, 2, 4)):
+        for t in (2, 1):
+            consts = {"BN": bn, "PT": pt, "TERMS": t, "DP4A": True}
+            runs.append((f"dn bn{bn} pt{pt} w{w} t{t}", moe_grouped._down_grouped_kernel, _DN_SIG, consts, w))
+    ok = True
+    for label, fn, sig, consts, warps in runs:
+        try:
+            res, n, dp4a = _sass_stats(_compile(fn, sig, consts, warps).asm["cubin"])
+        except Exception as exc:  # noqa: BLE001 - report every kernel
+            ok = False
+            say(f"  {label:22s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+            continue
+        say(f"  {label:22s} {res:28s} k loop {n:5d} instr, {dp4a:4d} dp4a")
+    say("all compiled" if ok else "SOME FAILED")
+
+
+def main() -> None:
+    if "--compile-only" in sys.argv:
+        compile_only()
+        return
+    global GEN
+    GEN = torch.Generator(DEV).manual_seed(0)
+    t0 = time.time()
+    say(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    layers = [(packed(IQ2, (E, F, K)), packed(IQ2, (E, F, K)), packed(Q2K, (E, K, F))) for _ in range(LAYERS)]
+    biases = [0.5 * torch.randn(E, device=DEV, generator=GEN) for _ in range(LAYERS)]
+    say(f"{LAYERS} layers built in {time.time() - t0:.1f} s")
+    ok = check(layers[0], biases[0])
+    summary = bench(layers, biases, t0) if ok else {}
+    say(f"total {time.time() - t0:.0f} s{'' if ok else ' (check FAILED: not timed)'}")
+    out = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if out:
+        Path(out[0]).mkdir(parents=True, exist_ok=True)
+        Path(out[0], "bench_moe_grouped.txt").write_text("\n".join(LOG) + "\n")
+        Path(out[0], "bench_moe_grouped.json").write_text(json.dumps({"ok": ok, **summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
