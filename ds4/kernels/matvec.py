@@ -415,7 +415,8 @@ def q8_mv1(
     x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8Config | None = None
 ) -> torch.Tensor:
     """x [G*K] (G groups of K, contiguous) with Q8_0 rows W [N, K] -> [N] f32; row n reads x group
-    n // rows_per_group (rows_per_group = N: a plain matvec). cfg: tile (default Q8_MV1)."""
+    n // rows_per_group (rows_per_group = N: a plain matvec). cfg: tile (default Q8_MV1). Split-K partials
+    summed in the kernel when Q8_FIXUP is on, else by torch."""
     cfg = cfg or Q8_MV1
     N, K = w.rows, w.K
     if rows_per_group % cfg.bn and rows_per_group != N:
@@ -787,7 +788,9 @@ __all__ = [
     "dot_rows",
     "hmatvec",
     "q8_mv1",
+    "q8_mv1_plan",
     "qmatvec",
     "qmatvec_grouped",
+    "qmatvec_plan",
     "use_triton",
 ]
