@@ -100,6 +100,14 @@ def test_kernel_matches_oracle_and_twin(T: int, Hi: int, Di: int, C: int, p0: in
     _check_scores(got, twin.double(), bound)
 
 
+def test_precast_queries_give_the_same_scores() -> None:
+    """IndexerPrefillConfig.precast (qi cast to bf16 by torch first): bit-identical scores, since the cast is
+    exact for QAT'd values and the kernel's sums run in the same order."""
+    qi, wts, rows = _inputs(37, 4, 128, 45, seed=5)
+    plain = indexer_scores_prefill(qi, wts, rows, 150, 4, cfg=TINY)
+    assert torch.equal(indexer_scores_prefill(qi, wts, rows, 150, 4, cfg=TINY._replace(precast=True)), plain)
+
+
 def test_kernel_rejects_bad_shapes() -> None:
     qi, wts, rows = _inputs(16, 2, 64, 8, seed=0)
     with pytest.raises(ValueError, match=r"wts must be \[16, 2\]"):

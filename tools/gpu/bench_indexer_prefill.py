@@ -43,6 +43,8 @@ CONFIGS = [  # the default first; all build without spills for sm_90 (--compile-
     ip.IndexerPrefillConfig(128, 128, 8, 2),
     ip.IndexerPrefillConfig(64, 64, 4, 2),
     ip.IndexerPrefillConfig(64, 256, 8, 2),
+    ip.IndexerPrefillConfig(64, 128, 4, 2, precast=True),
+    ip.IndexerPrefillConfig(64, 256, 8, 2, precast=True),
 ]
 REPS, WARMUP = 15, 2
 DEV = "cuda"
@@ -147,7 +149,7 @@ def bench(layer, C: int, p0: int) -> None:
     say(f"  {'torch einsums (old)':34s} {us:9.1f} {flops / us / 1e6:8.1f}")
     for cfg in CONFIGS:
         us = time_us(lambda cfg=cfg: ip.indexer_scores_prefill(qi, wts, rows, p0, 4, cfg=cfg))
-        say(f"  {f'kernel bt{cfg.bt} bc{cfg.bc} w{cfg.warps} s{cfg.stages}':34s} {us:9.1f} "
+        say(f"  {f'kernel {label(cfg)}':34s} {us:9.1f} "
             f"{flops / us / 1e6:8.1f}")  # fmt: skip
     score = ip.indexer_scores_prefill(qi, wts, rows, p0, 4)
     us_sort = time_us(lambda: layer._top_rows(score, TOPK))
@@ -193,12 +195,18 @@ _SIG = {
 _DIV16 = ("T", "C", "Hi", "Di", "s_qt", "s_qh", "s_wt", "s_rc")  # multiples of 16 at Flash shapes
 
 
+def label(cfg: ip.IndexerPrefillConfig) -> str:
+    return f"bt{cfg.bt} bc{cfg.bc} w{cfg.warps} s{cfg.stages}" + (" bf16 q" if cfg.precast else "")
+
+
 def _compile(cfg: ip.IndexerPrefillConfig):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = ip._indexer_prefill_kernel
     sig = {n: _SIG.get(n, "constexpr") for n in fn.arg_names}
+    if cfg.precast:
+        sig["qi_ptr"] = "*bf16"
     consts = {"BT": cfg.bt, "BC": cfg.bc, "BD": DI}
     div = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n in _DIV16]
     attrs = {(i,): [["tt.divisibility", 16]] for i in div}
@@ -223,14 +231,14 @@ def _usage(cubin: bytes) -> str:
 def compile_only() -> None:
     say(f"triton {triton.__version__}: sm_90 builds of _indexer_prefill_kernel (BD {DI})")
     for cfg in CONFIGS:
-        label = f"bt{cfg.bt} bc{cfg.bc} w{cfg.warps} s{cfg.stages}"
+        name = label(cfg)
         try:
             k = _compile(cfg)
         except Exception as exc:  # noqa: BLE001 - report every config
-            say(f"  {label:22s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+            say(f"  {name:22s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
             continue
         wgmma = k.asm["ptx"].count("wgmma.mma_async")
-        say(f"  {label:22s} {_usage(k.asm['cubin'])}  dyn smem {k.metadata.shared}  wgmma in PTX: {wgmma}")
+        say(f"  {name:22s} {_usage(k.asm['cubin'])}  dyn smem {k.metadata.shared}  wgmma in PTX: {wgmma}")
 
 
 def smoke() -> None:
