@@ -14,9 +14,12 @@ has no split-K), o_b [4096, 8192], shared gate + up [2 x 2048, 4096], shared dow
     ref.qmatvec (exact dequantization + f32 matmul), and of the fixup against the torch sum;
   * timing: per (shape, B, fixup off / on) one CUDA graph of L calls on L different weight copies (L = 16;
     4 for the 0.56 GB head, already 11x the 50 MB L2), so each call reads its weights from DRAM as in a
-    decode step; replayed R times, CUDA events, median us per call; GB/s = packed weight bytes / time.
+    decode step; the off and on graphs replayed in turn R times each, CUDA events, median us per call;
+    GB/s = packed weight bytes / time.
     Shapes with one split show no difference (no sum either way): the control rows.
-Last: per decode step (each shape's time x its count per step) off vs on.
+Columns: S split-K count, MB packed bytes, err twin, vs sum ("=": bit-equal to the torch sum), us and GB/s
+with the torch sum (off) and in the kernel (on), on/off time ratio. Last: per decode step (each shape's time
+x its count per step) off vs on.
 """
 
 from __future__ import annotations
