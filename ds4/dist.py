@@ -470,8 +470,10 @@ def follow(model: Any) -> str:
             continue
         try:
             ex.run(op)
-        except Exception:  # noqa: BLE001 - rank 0 raised the same error from the same op and reports it
-            pass
+        except Exception as e:  # noqa: BLE001 - rank 0 normally raised the same error from the same op
+            # and reports it; said here too, since an error on this rank alone desynchronises the collectives
+            msg = f"ds4 rank {rank()}: op {op[0]!r} failed here: {type(e).__name__}: {e}"
+            print(msg[:2000], file=sys.stderr)
 
 
 def ignore_interrupts() -> None:

@@ -12,7 +12,7 @@ Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_prefill_moe.py --compile-only
 One 4,096-token chunk of one layer: T tokens x 6 distinct experts each out of 256 (random, as a router picks
 them), gate/up IQ2_XXS [256, 2048, 4096], down Q2_K [256, 4096, 2048], x bf16. Timed with
 triton.testing.do_bench (median ms, L2 flushed between runs):
-  * block: gate+up + SwiGLU + router weight, then down: the sequence of ds4.model.cuda.experts._grouped_sum
+  * block: gate+up + SwiGLU + router weight, then down: the sequence of ds4.model.cuda.experts._slot_outputs
     without the gather/scatter, on the paths "fused" (two moe_grouped, SwiGLU in torch), "dequant-pair"
     (moe_grouped_pair, SwiGLU in torch) and "dequant" (moe_swiglu_grouped: SwiGLU in the GEMM epilogue);
     TFLOP/s = 2 * rows * N * K summed over the three matrices / time;

@@ -90,21 +90,41 @@ def local_slots(ids: torch.Tensor, weights: torch.Tensor, n_local: int) -> tuple
     return local.clamp(0, n_local - 1), torch.where(own, weights, torch.zeros_like(weights))
 
 
+def combine_slots(per_slot: torch.Tensor) -> torch.Tensor:
+    """[T, k, d] f32 weighted expert outputs per (token, slot) -> [T, d]: summed over the ranks, then over
+    the k slots in a fixed order.
+
+    Why per slot: each slot's output is made on exactly one rank (the others hold exact zeros there), so the
+    all_reduce adds only zeros and the fixed-order slot sum afterwards is the same float arithmetic as on one
+    GPU: expert-parallel outputs equal the single-GPU ones bit for bit, and runs repeat exactly (no atomics).
+    Summing per rank first would round differently, which the model's FP8 / FP4 steps and the indexer's top-k
+    turn into visibly different tokens within a few layers."""
+    return dist.all_reduce_(per_slot).sum(1)
+
+
 def routed_decode(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Packed, up: Packed, down: Packed, clamp
 ) -> torch.Tensor:
-    """x [1, d], ids [1, k] (device), weights [1, k] -> [1, d]: sum_j w_j down_j(swiglu(gate_j x, up_j x))."""
+    """x [B, d], ids [B, k] (device), weights [B, k] -> [B, d]: sum_j w_j down_j(swiglu(gate_j x, up_j x))."""
+    B, k = ids.shape
     ids, weights = local_slots(ids, weights, _n_stack(gate))
     if not isinstance(gate, Packed):  # PackedWeight stacks: the fused gather kernels
         ids32 = ids.to(torch.int32)
-        y = kmoe.moe_down(kmoe.moe_gate_up(x, gate, up, ids32, clamp), weights, down, ids32)
-        return dist.all_reduce_(y)
-    sel = ids[0]
-    g = decode_rows(gate.data.index_select(0, sel), gate.qtype, gate.cols)  # [k, F, d]
-    u = decode_rows(up.data.index_select(0, sel), up.qtype, up.cols)
-    mid = swiglu_mid(g @ x[0], u @ x[0], clamp) * weights[0, :, None]  # [k, F]
-    dn = decode_rows(down.data.index_select(0, sel), down.qtype, down.cols)  # [k, d, F]
-    return dist.all_reduce_(torch.einsum("kdf,kf->d", dn, mid)[None].contiguous())
+        mid = kmoe.moe_gate_up(x, gate, up, ids32, clamp)  # [B, k, F]
+        # every (row, slot) pair as a row of its own: moe_down's per-pair outputs [B k, d], unsummed
+        pairs = kmoe.moe_down(
+            mid.reshape(B * k, 1, -1), weights.reshape(B * k, 1), down, ids32.reshape(-1, 1)
+        )
+        return combine_slots(pairs.view(B, k, -1))
+    out = []
+    for b in range(B):  # torch Packed path (CPU): one row at a time
+        sel = ids[b]
+        g = decode_rows(gate.data.index_select(0, sel), gate.qtype, gate.cols)  # [k, F, d]
+        u = decode_rows(up.data.index_select(0, sel), up.qtype, up.cols)
+        mid = swiglu_mid(g @ x[b], u @ x[b], clamp) * weights[b, :, None]  # [k, F]
+        dn = decode_rows(down.data.index_select(0, sel), down.qtype, down.cols)  # [k, d, F]
+        out.append(torch.einsum("kdf,kf->kd", dn, mid))
+    return combine_slots(torch.stack(out))
 
 
 def routed_prefill(
@@ -121,21 +141,24 @@ def routed_prefill(
     T, k = ids.shape
     n_exp = _n_stack(gate)
     flat, w_flat = ids.reshape(-1), weights.reshape(-1)  # [N] slots, N = T*k
-    tok_flat = torch.arange(T * k, device=ids.device) // k
+    slot = torch.arange(T * k, device=ids.device)  # [N] flat slot t*k + j
     if dist.active():  # keep only this rank's slots, with local expert ids (host sync: prefill only)
         lo = dist.rank() * n_exp
-        keep = torch.nonzero((flat >= lo) & (flat < lo + n_exp)).reshape(-1)
-        flat, w_flat, tok_flat = flat[keep] - lo, w_flat[keep], tok_flat[keep]
-    y = _grouped_sum(x, flat, w_flat, tok_flat, gate, up, down, clamp, dtype, n_exp)
-    return dist.all_reduce_(y)
+        slot = torch.nonzero((flat >= lo) & (flat < lo + n_exp)).reshape(-1)
+        flat, w_flat = flat[slot] - lo, w_flat[slot]
+    per_slot = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T k, d]
+    _slot_outputs(x, flat, w_flat, slot, k, per_slot, (gate, up, down), clamp, dtype, n_exp)
+    return combine_slots(per_slot.view(T, k, -1))
 
 
-def _grouped_sum(x, flat, w_flat, tok_flat, gate, up, down, clamp: float, dtype, n_exp: int) -> torch.Tensor:
-    """sum over slots s of w_flat[s] * expert_{flat[s]}(x[tok_flat[s]]) into rows tok_flat[s]: [T, d] f32."""
-    T = x.shape[0]
+def _slot_outputs(x, flat, w_flat, slot, k: int, per_slot, stacks, clamp: float, dtype, n_exp: int) -> None:
+    """per_slot[slot[s]] = w_flat[s] * expert_{flat[s]}(x[slot[s] // k]) for every kept slot s (each written
+    once: no accumulation)."""
+    gate, up, down = stacks
     order = torch.argsort(flat, stable=True)  # [N] slots sorted by expert
     hist = torch.bincount(flat, minlength=n_exp)
-    tok_sorted = tok_flat[order]
+    slot_sorted = slot[order]
+    tok_sorted = slot_sorted // k
     w_sorted = w_flat[order]
     grouped = moe_grouped is not None and (dtype != torch.float32 or os.environ.get("DS4_GROUPED_F32") == "1")
     if not isinstance(gate, Packed) and grouped:  # grouped bf16 GEMMs (matmul.PREFILL_MOE picks how)
@@ -144,24 +167,22 @@ def _grouped_sum(x, flat, w_flat, tok_flat, gate, up, down, clamp: float, dtype,
         xs = x[tok_sorted].to(dtype)  # [N, d] rows grouped by expert
         mid = moe_swiglu_grouped(xs, gate, up, offsets, w_sorted, clamp)  # [N, F]: swiglu_mid * weight
         out = moe_grouped(mid.to(dtype), down, offsets)  # [N, d]
-        return torch.zeros(T, x.shape[1], device=x.device).index_add_(0, tok_sorted, out.float())
+        per_slot.index_copy_(0, slot_sorted, out.float())
+        return
     counts = hist.tolist()  # host sync: prefill only
     xs = x.to(dtype)
-    y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        tok = tok_sorted[start : start + n]
-        we = w_sorted[start : start + n]
+        sl, tok, we = (v[start : start + n] for v in (slot_sorted, tok_sorted, w_sorted))
         start += n
         xe = xs[tok]  # [n, d]
         g = xe @ _expert(gate, e).to(dtype).T  # [n, F]
         u = xe @ _expert(up, e).to(dtype).T
         mid = swiglu_mid(g.float(), u.float(), clamp) * we[:, None]
         out = mid.to(dtype) @ _expert(down, e).to(dtype).T  # [n, d]
-        y.index_add_(0, tok, out.float())
-    return y
+        per_slot.index_copy_(0, sl, out.float())
 
 
 def _expert(w, e: int) -> torch.Tensor:
