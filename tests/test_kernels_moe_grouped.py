@@ -21,6 +21,7 @@ from ds4.quant import GGMLType, random_blocks
 
 F32_TOL = 1e-5
 CHAIN_TOL = 1e-4  # gate/up then down: a last-bit difference in mid can move one Q8_K rounding of mid
+WIDE = 16 if CUDA else 256  # gate/up rows per program where F = 256: few programs for the interpreter
 E = 5
 # Expert 4: four pairs (two in row 1), expert 0 and 2: two each, expert 1: one.
 IDS = [[0, 4, 2], [4, 4, 1], [2, 0, 4]]
@@ -79,7 +80,7 @@ def test_routed_grouped_other_ranks_experts_add_nothing():
     twin on the valid pairs only (their weights kept, the others' zeroed)."""
     ids_l = [[0, 7, 2], [4, 4, -1], [2, 0, 4]]
     wg, wu, wd, ids, x, _, weights = _case(256, 256, 16, ids_l, 60)  # F = K: mid feeds the down stack
-    cfg = moe_grouped.GroupedConfig(bn_gu=256, bn_dn=16, pairs=3)  # few programs: interpreter time
+    cfg = moe_grouped.GroupedConfig(bn_gu=WIDE, bn_dn=16, pairs=3)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg)
     ok = (ids >= 0) & (ids < E)
     safe = torch.where(ok, ids, 0)
@@ -139,3 +140,39 @@ def test_flash_widths_match_pair_kernels_and_capture():
     graph.replay()
     want = moe.moe_down(moe.moe_gate_up(x2, wg, wu, ids2, 10.0, gu_cfg), w2, wd, ids2, dn_cfg)
     assert rel_err(out, want) < CHAIN_TOL
+
+
+def test_batch_routed_takes_grouped_path_and_expert_parallel(monkeypatch):
+    """batch._routed: from MOE_GROUPED_MIN_ROWS rows the grouped kernels, below them the pair path; under
+    expert parallel (faked: rank 1 of 2, all_reduce the identity) only this rank's experts E .. 2E - 1 add,
+    equal to the twin on those pairs."""
+    from types import SimpleNamespace
+
+    from ds4.model.cuda import batch
+
+    monkeypatch.setattr(moe_grouped, "CONFIG", moe_grouped.GroupedConfig(bn_gu=WIDE, bn_dn=16, pairs=2))
+    monkeypatch.setattr(batch, "MOE_GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(batch.kmoe, "GATE_UP", moe.MoeConfig(16, 1, 4, int8=True))
+    calls = []
+    spy = moe_grouped.moe_routed_grouped
+    monkeypatch.setattr(
+        batch.kgrouped, "moe_routed_grouped", lambda *a, **kw: calls.append(1) or spy(*a, **kw)
+    )
+    monkeypatch.setattr(batch, "routed_decode", lambda x, *a: torch.zeros(x.shape[0], 16, device=x.device))
+    ids_g = [[5, 9], [1, 5], [7, 7], [0, 6], [9, 2], [5, 3], [8, 5], [4, 6]]  # global ids of 2 x 5 experts
+    wg, wu, wd, ids, x, _, weights = _case(256, 256, 16, ids_g, 90)
+    m = SimpleNamespace(gate_exps=wg, up_exps=wu, down_exps=wd)
+    fake = SimpleNamespace(active=lambda: True, rank=lambda: 1, all_reduce_=lambda t: t)
+    monkeypatch.setattr(batch, "dist", fake)
+    got = batch._routed(x, ids, weights, m, 10.0)
+    assert calls == [1]
+    local = ids - E
+    own = (local >= 0) & (local < E)
+    safe = torch.where(own, local, 0)
+    want = ref.moe_down_q8k(ref.moe_gate_up_q8k(x, wg, wu, safe, 10.0), weights * own, wd, safe)
+    assert rel_err(got, want) < CHAIN_TOL
+    assert not torch.equal(own, torch.ones_like(own))  # some pairs are other ranks'
+    assert torch.equal(
+        batch._routed(x[:7], ids[:7], weights[:7], m, 10.0), torch.zeros(7, 16, device=DEVICE)
+    )  # pair path
+    assert calls == [1]

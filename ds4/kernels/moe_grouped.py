@@ -432,10 +432,12 @@ def moe_down_grouped(
     ids: torch.Tensor,
     cfg: GroupedConfig | None = None,
     runs: ExpertRuns | None = None,
+    per_slot: bool = False,
 ) -> torch.Tensor:
     """mid [B, k, F], router weights [B, k], Q2_K down stack [E, D, F], ids [B, k] -> [B, D] f32
     = sum_j weights[b, j] * Wd[ids[b, j]] @ mid[b, j] (ids outside [0, E): nothing), = moe.moe_down with
-    MoeConfig(int8=True) up to f32 summation order; summed over j in fixed order."""
+    MoeConfig(int8=True) up to f32 summation order; summed over j in fixed order. per_slot: the [B, k, D]
+    terms unsummed (expert parallel sums them over the ranks first: bit-exact to one GPU)."""
     check_weight(wd, 3, "moe_down_grouped", mid.device)
     if wd.qtype != GGMLType.Q2_K:
         raise ValueError(f"moe_down_grouped: down must be a Q2_K stack, got {wd.qtype.name}")
@@ -451,9 +453,18 @@ def moe_down_grouped(
     E, D, _ = wd.shape
     if not use_triton(mid):
         safe, ok = _valid(ids, E)
-        return ref.moe_down_q8k(mid, weights * ok, wd, safe, cfg.terms)
+        w_ok = weights * ok
+        if not per_slot:
+            return ref.moe_down_q8k(mid, w_ok, wd, safe, cfg.terms)
+        # one slot at a time through the twin: [B, D] sums of one term each
+        one = [
+            ref.moe_down_q8k(mid[:, j, None], w_ok[:, j, None], wd, safe[:, j, None], cfg.terms)
+            for j in range(k)
+        ]
+        return torch.stack(one, 1) if one else torch.zeros(B, 0, D, dtype=torch.float32, device=mid.device)
     if B * k == 0:
-        return torch.zeros(B, D, dtype=torch.float32, device=mid.device)
+        part = torch.zeros(B, k, D, dtype=torch.float32, device=mid.device)
+        return part if per_slot else part.sum(1)
     runs = runs or expert_runs(ids, E)
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped")
     xq, dx = quantize_q8k(mid, cfg.terms)
@@ -464,7 +475,7 @@ def moe_down_grouped(
         runs.offsets, weights.float().contiguous(), part, B * k, E, D, F, B * k * F // 4,
         BN=cfg.bn_dn, PT=cfg.pairs, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
     )  # fmt: skip
-    return part.sum(1)  # fixed order over the k slots: deterministic
+    return part if per_slot else part.sum(1)  # fixed order over the k slots: deterministic
 
 
 def moe_routed_grouped(
@@ -476,13 +487,14 @@ def moe_routed_grouped(
     wd: PackedWeight,
     clamp: float,
     cfg: GroupedConfig | None = None,
+    per_slot: bool = False,
 ) -> torch.Tensor:
     """The routed experts of B rows, grouped by expert: x [B, K], ids/weights [B, k] -> [B, D] f32
-    = sum_j weights[b, j] * down_e(swiglu(gate_e x_b, up_e x_b)), e = ids[b, j] (outside [0, E): nothing).
-    One device sort shared by both launches."""
+    = sum_j weights[b, j] * down_e(swiglu(gate_e x_b, up_e x_b)), e = ids[b, j] (outside [0, E): nothing);
+    per_slot: the [B, k, D] terms unsummed. One device sort shared by both launches."""
     runs = expert_runs(ids, wg.shape[0]) if use_triton(x) else None
     mid = moe_gate_up_grouped(x, wg, wu, ids, clamp, cfg, runs)
-    return moe_down_grouped(mid, weights, wd, ids, cfg, runs)
+    return moe_down_grouped(mid, weights, wd, ids, cfg, runs, per_slot)
 
 
 __all__ = [

@@ -20,10 +20,11 @@ import os
 
 import torch
 
+from ds4 import dist
 from ds4.kernels import ref as kernel_ref
 from ds4.model.attention import AttentionShape, CompressorWeights
 from ds4.model.cuda import fused
-from ds4.model.cuda.experts import routed_decode, swiglu_mid
+from ds4.model.cuda.experts import local_slots, routed_decode, swiglu_mid
 from ds4.model.cuda.layer import (
     DECODE_ROWS,
     _top_rows,
@@ -45,12 +46,24 @@ try:  # grouped expert GEMMs (tokens sorted by expert: each selected expert's we
     from ds4.kernels.moe import group_by_expert
 except ImportError:  # pragma: no cover - no triton
     moe_grouped = group_by_expert = None
+try:  # int8 expert kernels grouped by expert (each selected expert's blocks decoded once per step)
+    from ds4.kernels import moe as kmoe
+    from ds4.kernels import moe_grouped as kgrouped
+except ImportError:  # pragma: no cover - no triton
+    kmoe = kgrouped = None
 
 # Rows from which the routed experts of a batched step run as grouped GEMMs over the (row, slot) pairs
 # sorted by expert (bf16 activations) instead of the gathered-expert matvec kernels, which read an expert
 # once per pair. 0: never. To be set from GPU timings (tools/gpu/batch_check.py times both); env
 # DS4_BATCH_GROUPED_ROWS. Read when a step is built: recapture (a new pool runner) after changing it.
 GROUPED_ROWS = int(os.environ.get("DS4_BATCH_GROUPED_ROWS", "0"))
+
+# Rows from which the routed experts of a batched step take the int8 kernels grouped by expert
+# (ds4.kernels.moe_grouped: one program per expert run decodes the expert's IQ2_XXS / Q2_K blocks once for all
+# its (row, slot) pairs, instead of once per pair), when the experts have those formats and the int8 path is
+# on (moe.GATE_UP.int8, env DS4_MOE_INT8). 0: never. Env DS4_MOE_GROUPED_MIN_ROWS; read when a step is built:
+# recapture (a new pool runner) after changing it. GROUPED_ROWS (bf16 GEMMs), when set and reached, wins.
+MOE_GROUPED_MIN_ROWS = int(os.environ.get("DS4_MOE_GROUPED_MIN_ROWS", "8"))
 
 
 # Pure pieces of the step (no pool writes) may be compiled by torch.compile with dynamic shapes (one compile
@@ -159,11 +172,15 @@ def _grouped_output(o, out_a, out_b, groups: int):
 
 
 def _routed(xf, ids, weights, m, clamp):
-    """Routed experts of B rows: the gathered-expert kernels take [B] rows; the torch Packed path is one row
+    """Routed experts of B rows: grouped by expert (bf16 GEMMs from GROUPED_ROWS rows, int8 kernels from
+    MOE_GROUPED_MIN_ROWS rows) or the gathered-expert kernels on [B] rows; the torch Packed path is one row
     at a time (CPU / no kernels)."""
     if not isinstance(m.gate_exps, Packed):
-        if 0 < GROUPED_ROWS <= xf.shape[0] and moe_grouped is not None:
+        B = xf.shape[0]
+        if 0 < GROUPED_ROWS <= B and moe_grouped is not None:
             return _routed_grouped(xf, ids, weights, m, clamp)
+        if 0 < MOE_GROUPED_MIN_ROWS <= B and _int8_grouped(m):
+            return _routed_int8_grouped(xf, ids, weights, m, clamp)
         return routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
     rows = [
         routed_decode(
@@ -174,17 +191,41 @@ def _routed(xf, ids, weights, m, clamp):
     return torch.cat(rows)
 
 
+def _int8_grouped(m) -> bool:
+    return (
+        kgrouped is not None and kmoe.GATE_UP.int8 and kgrouped.supports(m.gate_exps, m.up_exps, m.down_exps)
+    )
+
+
+def _routed_int8_grouped(xf, ids, weights, m, clamp):
+    """The int8 kernels grouped by expert: xf [B, d], ids/weights [B, k] -> [B, d]. Expert parallel: the
+    stacks hold this rank's E/N experts; other ranks' ids fall outside [0, E/N) and add nothing (the kernels'
+    sentinel run). The per-slot terms [B, k, d] are summed over the ranks, then over the slots in fixed order
+    (each term is made on one rank: bit-exact to one GPU, as experts.combine_slots)."""
+    n_local = m.gate_exps.shape[0]
+    local = ids - dist.rank() * n_local if dist.active() else ids
+    per_slot = kgrouped.moe_routed_grouped(
+        xf, local, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, per_slot=True
+    )
+    return dist.all_reduce_(per_slot).sum(1)
+
+
 def _routed_grouped(xf, ids, weights, m, clamp):
     """Routed experts of B rows as grouped GEMMs: pairs (row, slot) sorted by expert, no host sync.
-    xf [B, d], ids/weights [B, k] -> [B, d]."""
+    xf [B, d], ids/weights [B, k] -> [B, d]. Expert parallel: other ranks' experts get weight 0 (local_slots);
+    the per-slot terms are summed over the ranks, then over the slots in fixed order (deterministic)."""
     B, k = ids.shape
+    ids, weights = local_slots(ids, weights, m.gate_exps.shape[0])
     order, offsets = group_by_expert(ids, m.gate_exps.shape[0])  # [B k], [E + 1]
     rows = order // k  # [B k] source row of each sorted pair
     xs = xf.index_select(0, rows)  # [B k, d]
     mid = swiglu_mid(moe_grouped(xs, m.gate_exps, offsets), moe_grouped(xs, m.up_exps, offsets), clamp)
     mid = mid * weights.reshape(-1).index_select(0, order)[:, None]
-    out = moe_grouped(mid, m.down_exps, offsets)  # [B k, d]
-    return torch.zeros(B, out.shape[1], dtype=torch.float32, device=xf.device).index_add_(0, rows, out)
+    out = moe_grouped(mid, m.down_exps, offsets)  # [B k, d] in expert order
+    per_slot = torch.empty(B * k, out.shape[1], dtype=torch.float32, device=xf.device).index_copy_(
+        0, order, out
+    )
+    return dist.all_reduce_(per_slot.view(B, k, -1)).sum(1)
 
 
 def decode_layer_batch(blk, kv, X, tokens, pos, slot):
