@@ -2,6 +2,8 @@
 # Device calls of the fourth session, one part per call (each within the 10-minute limit):
 #   part x: (nvidia-h200-x2) issue 9's expert-parallel check (tools/gpu/ep_check.py: q2 on 1 GPU vs 2, q4 on
 #           2), then as much of the kernel + whole-model GPU tests as the call's time leaves;
+#   part y: (nvidia-h200-x2) the expert-parallel check again after the per-slot combine, the Q8_0 split-K
+#           fixup and prefill indexer kernel tests + benches, then where decode / 8k prefill time goes;
 #   part t: the kernel + whole-model GPU tests, then decode tok/s at 2k/64k (tools/gpu/quick_decode.py).
 # Needs .gpu/shared carried (fixtures + bench text). Logs land in $OUT.  Usage: bash tools/gpu/session4.sh x|t
 export PYTHONPATH=. PYTHONUNBUFFERED=1 DS4_SHARED=$PWD/.gpu/shared DS4_TEST_CACHE=/tmp/ds4-cache
@@ -26,6 +28,14 @@ if [ "$1" = x ]; then
   TAIL=24 run ep 420 torchrun --standalone --nproc-per-node 2 tools/gpu/ep_check.py --prompt 4096 --steps 32 \
     --decode 64 --json "$OUT/ep.json"
   TAIL=12 run tests "$(left)" python3 -m pytest -q -p no:cacheprovider -p no:warnings $TESTS
+elif [ "$1" = y ]; then
+  TAIL=16 run ep 200 torchrun --standalone --nproc-per-node 2 tools/gpu/ep_check.py --prompt 4096 --steps 32 \
+    --decode 64 --json "$OUT/ep.json"
+  TAIL=8 run ktests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    tests/test_kernels_indexer_prefill.py
+  TAIL=30 run q8 90 python3 tools/gpu/bench_q8.py
+  TAIL=20 run pidx 60 python3 tools/gpu/bench_indexer_prefill.py
+  TAIL=75 run profile "$(left)" python3 tools/gpu/profile_regions.py 8192
 else
   TAIL=12 run tests 360 python3 -m pytest -q -p no:cacheprovider -p no:warnings $TESTS
   run decode "$(left)" python3 tools/gpu/quick_decode.py q2
