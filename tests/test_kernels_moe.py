@@ -530,18 +530,18 @@ def test_iq2_sign_bits_exhaustive():
 
 
 # Session-4 B <= 4 variants: table lookups by tl.gather (grid; sign masks computed in the first, gathered in
-# the second), 4 / 2 super-blocks per loop step (2 blocks here, one per k-split in the second: both end on a
-# partial step), each against the exact integer twin.
+# the second), prefetch of the next super-block (2 blocks here: two steps, or one per k-split in the
+# second), each against the exact integer twin.
 VARIANT_CONFIGS = [
-    moe.MoeConfig(16, 1, 4, int8=True, sign_math=True, unroll=4, gather=True),
-    moe.MoeConfig(16, 2, 4, int8=True, unroll=2, terms=1, gather=True),
+    moe.MoeConfig(16, 1, 4, int8=True, sign_math=True, prefetch=True, gather=True),
+    moe.MoeConfig(16, 2, 4, int8=True, prefetch=True, terms=1, gather=True),
 ]
 
 
 @pytest.mark.parametrize(
     "cfg",
     VARIANT_CONFIGS,
-    ids=lambda c: f"s{c.splits}-u{c.unroll}-{'math' if c.sign_math else 'masks'}-t{c.terms}",
+    ids=lambda c: f"s{c.splits}-pf{int(c.prefetch)}-{'math' if c.sign_math else 'masks'}-t{c.terms}",
 )
 def test_moe_int8_variants(cfg):
     wg, wu, wd, ids, x, mid, weights = _int8_case(16, 512, 54)
@@ -573,8 +573,6 @@ def test_moe_int8_two_terms_vs_one_term():
 def test_moe_config_terms():
     with pytest.raises(ValueError, match="terms must be 1 or 2, got 3"):
         moe.MoeConfig(terms=3)
-    with pytest.raises(ValueError, match="unroll must be 1, 2 or 4, got 3"):
-        moe.MoeConfig(unroll=3)
     with pytest.raises(ValueError, match="terms must be 1 or 2, got 0"):
         moe.quantize_q8k(torch.zeros(1, 256, device=DEVICE), 0)
     assert moe.MoeConfig().terms == 2
@@ -628,7 +626,7 @@ def test_moe_int8_flash_widths_cuda():
 
 @pytest.mark.cuda
 def test_moe_int8_variants_flash_widths_cuda():
-    """The session-4 variants (unroll, sign_math, gather, k-splits, small tiles) at Flash widths on the GPU,
+    """The session-4 variants (prefetch, sign_math, gather, k-splits, small tiles) at Flash widths on the GPU,
     B = 1 and 4, each at its integer twin (gate/up with the clamp active, down with router weights)."""
     assert CUDA
     F, K = 2048, 4096
@@ -637,13 +635,13 @@ def test_moe_int8_variants_flash_widths_cuda():
     wd, _ = stack(GGMLType.Q2_K, (8, K, F), 62)
     gen = generator(63)
     configs = [
-        moe.MoeConfig(16, 1, 4, int8=True, unroll=2),
+        moe.MoeConfig(16, 1, 4, int8=True, prefetch=True),
         moe.MoeConfig(16, 1, 4, int8=True, sign_math=True),
         moe.MoeConfig(16, 1, 4, int8=True, gather=True),
-        moe.MoeConfig(16, 1, 4, int8=True, gather=True, sign_math=True, unroll=2),
-        moe.MoeConfig(8, 1, 4, int8=True, unroll=4, sign_math=True),
-        moe.MoeConfig(32, 2, 8, int8=True, unroll=2, gather=True),
-        moe.MoeConfig(64, 2, 4, int8=True, unroll=4, terms=1),
+        moe.MoeConfig(16, 1, 4, int8=True, gather=True, sign_math=True, prefetch=True),
+        moe.MoeConfig(8, 1, 4, int8=True, prefetch=True, sign_math=True),
+        moe.MoeConfig(32, 2, 8, int8=True, prefetch=True, gather=True),
+        moe.MoeConfig(64, 2, 4, int8=True, prefetch=True, terms=1),
     ]
     for b in (1, 4):
         ids = torch.randint(0, 8, (b, 6), generator=gen, device=DEVICE).int()

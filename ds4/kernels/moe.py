@@ -380,6 +380,36 @@ def _iq2_sign_bits(s):
 
 
 @triton.jit
+def _iq2_load(qs, sg, dd, wrow, kt, nb):
+    """The IQ2_XXS bytes of super-block kt of rows wrow: (grid indices [BN, 8, 4] u8, sub-block words
+    [BN, 8, 1] int32, scales [BN] f32)."""
+    sb = tl.arange(0, 8)[None, :, None]
+    lg = tl.arange(0, 4)[None, None, :]
+    w3 = wrow[:, None, None]
+    idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)
+    a1 = tl.load(sg + w3 * (nb * 8) + kt * 8 + sb)
+    d = tl.load(dd + wrow * nb + kt).to(tl.float32)
+    return idx, a1, d
+
+
+@triton.jit
+def _x_load(xo, xplane, dx_ptr, kt, nb, xg, TERMS: tl.constexpr):
+    """Quantized x of super-block kt: plane-1 words (elements 0-3, 4-7 of each group) [1, 8, 4], plane-2 words
+    (TERMS 2; else plane 1 again) and the scale dx (dx_ptr: this row's scales)."""
+    x8 = tl.load(xo + kt * 32 + xg)  # int64: elements 0-3 (low word), 4-7 (high word)
+    xlo = x8.to(tl.int32)
+    xhi = (x8 >> 32).to(tl.int32)
+    if TERMS == 2:
+        x8 = tl.load(xo + xplane + kt * 32 + xg)
+        x2lo = x8.to(tl.int32)
+        x2hi = (x8 >> 32).to(tl.int32)
+    else:  # unused
+        x2lo = xlo
+        x2hi = xhi
+    return xlo, xhi, x2lo, x2hi, tl.load(dx_ptr + kt)
+
+
+@triton.jit
 def _iq2_q8k_block(
     qs,
     sg,
@@ -405,12 +435,33 @@ def _iq2_q8k_block(
     wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
     x2lo, x2hi (TERMS 2; v = 254 q1 + q2) and scale dx of x. The caller accumulates these per lane and
     reduces once after its k loop (in-loop reductions cost barriers)."""
-    sb = tl.arange(0, 8)[None, :, None]
+    idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)
+    return _iq2_q8k_dot(
+        idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER
+    )
+
+
+@triton.jit
+def _iq2_q8k_dot(
+    idx,
+    a1,
+    d,
+    tab64,
+    ksm,
+    xlo,
+    xhi,
+    x2lo,
+    x2hi,
+    dx,
+    tab_r,
+    ksm_r,
+    TERMS: tl.constexpr,
+    DP4A: tl.constexpr,
+    SIGN_MATH: tl.constexpr,
+    GATHER: tl.constexpr,
+):
+    """_iq2_q8k_block on loaded weight bytes (_iq2_load: idx [BN, 8, 4], a1 [BN, 8, 1], d [BN])."""
     lg = tl.arange(0, 4)[None, None, :]
-    w3 = wrow[:, None, None]
-    idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)  # [BN, 8, 4] u8 grid index
-    a1 = tl.load(sg + w3 * (nb * 8) + kt * 8 + sb)  # [BN, 8, 1] int32 sub-block word
-    d = tl.load(dd + wrow * nb + kt).to(tl.float32)  # [BN]
     if (
         GATHER
     ):  # the tables held in registers (tab_r [256], ksm_r [128]): tl.gather goes through shared memory
@@ -465,14 +516,15 @@ def _iq2_q8k_gate_up_kernel(
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
     SIGN_MATH: tl.constexpr = False,
-    UNROLL: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
     GATHER: tl.constexpr = False,
 ):
     """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/8] int64: one group's 8
     int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel.
-    UNROLL super-blocks per loop step (their loads in flight together; a step past hi repeats block hi - 1
-    with dx = 0); SIGN_MATH: sign masks computed, not gathered (_iq2_sign_bits); GATHER: table lookups by
-    tl.gather from register copies (shared memory on the GPU) instead of global (L1) gathers."""
+    PREFETCH: software pipelining, block kt + 1's loads issued before block kt's math (whose layout
+    conversions put barriers that the loads would otherwise wait behind); SIGN_MATH: sign masks computed,
+    not gathered (_iq2_sign_bits); GATHER: table lookups by tl.gather from register copies (shared memory on
+    the GPU) instead of global (L1) gathers."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -489,67 +541,58 @@ def _iq2_q8k_gate_up_kernel(
     tab_r = tl.load(tab64 + tl.arange(0, 256)) if GATHER else 0
     ksm_r = tl.load(ksm + tl.arange(0, 128)) if GATHER else 0
     acc_u = tl.zeros([BN, 8, 4], dtype=tl.float32)
-    for kt0 in range(lo, hi, UNROLL):
-        for u in tl.static_range(UNROLL):
-            kt = tl.minimum(kt0 + u, hi - 1)
-            x8 = tl.load(xo + kt * 32 + xg)  # int64: elements 0-3 (low word), 4-7 (high word)
-            xlo = x8.to(tl.int32)
-            xhi = (x8 >> 32).to(tl.int32)
-            if TERMS == 2:
-                x8 = tl.load(xo + xplane + kt * 32 + xg)
-                x2lo = x8.to(tl.int32)
-                x2hi = (x8 >> 32).to(tl.int32)
-            else:  # unused
-                x2lo = xlo
-                x2hi = xhi
-            dx = tl.load(dx_ptr + b * nb + kt)
-            if UNROLL > 1:
-                dx = tl.where(kt0 + u < hi, dx, 0.0)
-            acc_g += _iq2_q8k_block(
-                gq,
-                gs,
-                gd,
-                tab64,
-                ksm,
-                wrow,
-                kt,
-                nb,
-                xlo,
-                xhi,
-                x2lo,
-                x2hi,
-                dx,
-                tab_r,
-                ksm_r,
-                TERMS,
-                DP4A,
-                SIGN_MATH,
-                GATHER,
-            )
-            acc_u += _iq2_q8k_block(
-                uq,
-                us,
-                ud,
-                tab64,
-                ksm,
-                wrow,
-                kt,
-                nb,
-                xlo,
-                xhi,
-                x2lo,
-                x2hi,
-                dx,
-                tab_r,
-                ksm_r,
-                TERMS,
-                DP4A,
-                SIGN_MATH,
-                GATHER,
-            )
+    xd = dx_ptr + b * nb
+    if PREFETCH:  # block lo's bytes now; each step loads block kt + 1 before it computes block kt
+        kn = tl.minimum(lo, nb - 1)
+        gi_n, ga_n, gd_n = _iq2_load(gq, gs, gd, wrow, kn, nb)
+        ui_n, ua_n, ud_n = _iq2_load(uq, us, ud, wrow, kn, nb)
+        xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n = _x_load(xo, xplane, xd, kn, nb, xg, TERMS)
+    for kt in range(lo, hi):
+        if PREFETCH:
+            gi, ga, gdd, ui, ua, udd = gi_n, ga_n, gd_n, ui_n, ua_n, ud_n
+            xlo, xhi, x2lo, x2hi, dx = xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n
+            kn = tl.minimum(kt + 1, hi - 1)  # the last step reloads its own block (unused)
+            gi_n, ga_n, gd_n = _iq2_load(gq, gs, gd, wrow, kn, nb)
+            ui_n, ua_n, ud_n = _iq2_load(uq, us, ud, wrow, kn, nb)
+            xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n = _x_load(xo, xplane, xd, kn, nb, xg, TERMS)
+        else:
+            gi, ga, gdd = _iq2_load(gq, gs, gd, wrow, kt, nb)
+            ui, ua, udd = _iq2_load(uq, us, ud, wrow, kt, nb)
+            xlo, xhi, x2lo, x2hi, dx = _x_load(xo, xplane, xd, kt, nb, xg, TERMS)
+        acc_g += _iq2_q8k_dot(
+            gi, ga, gdd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER
+        )
+        acc_u += _iq2_q8k_dot(
+            ui, ua, udd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER
+        )
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
     _store_gate_up(out_ptr, acc_g, acc_u, pair, pid_s, n, F, clamp, CLAMP, SPLIT)
+
+
+@triton.jit
+def _q2k_load(xo, xplane, xd, qw, sc, dm, wrow, kt, nb, TERMS: tl.constexpr):
+    """Super-block kt of the down kernel: x words of plane 1 and 2 [4c, 4t, 4jj] (plane 1 twice for TERMS 1),
+    the x scale, quant words [BN, 4c, 4jj], scale bytes [BN, 4c, 4t] int32, d and dmin [BN] f32 (index
+    layout: _q2k_q8k_down_kernel)."""
+    c = tl.arange(0, 4)
+    t = tl.arange(0, 4)
+    jj = tl.arange(0, 4)
+    xcol = (
+        (c // 2)[:, None, None] * 32 + t[None, :, None] * 8 + (c % 2)[:, None, None] * 4 + jj[None, None, :]
+    )
+    sidx = (c // 2)[:, None] * 8 + 2 * t[None, :] + (c % 2)[:, None]  # [4c, 4t]
+    qidx = c[:, None] * 4 + jj[None, :]  # [4c, 4jj]
+    xw = tl.load(xo + kt * 64 + xcol)  # [4c, 4t, 4jj] int32: 4 int8 x each
+    if TERMS == 2:
+        xw2 = tl.load(xo + xplane + kt * 64 + xcol)
+    else:  # unused
+        xw2 = xw
+    w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])
+    s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
+    d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)
+    dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)
+    return xw, xw2, tl.load(xd + kt), w, s8, d, dmin
 
 
 @triton.jit
@@ -569,12 +612,12 @@ def _q2k_q8k_down_kernel(
     BN: tl.constexpr,
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
-    UNROLL: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
 ):
     """Q2_K down projection of one pair on its quantized mid row (xw [TERMS, pairs, F/4] int32 words, planes
     xplane = pairs F / 4 words apart; dx [pairs, F/256]); output as _down_kernel. Quant word 4c + jj (c =
     16-byte group: half c // 2, byte group c % 2) shifted by 2t holds elements 128 (c // 2) + 32 t
-    + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2."""
+    + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2. PREFETCH: as the gate/up kernel."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -583,14 +626,7 @@ def _q2k_q8k_down_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     wrow = e * D + tl.minimum(n, D - 1)
     nb = F // 256
-    c = tl.arange(0, 4)
     t = tl.arange(0, 4)
-    jj = tl.arange(0, 4)
-    xcol = (
-        (c // 2)[:, None, None] * 32 + t[None, :, None] * 8 + (c % 2)[:, None, None] * 4 + jj[None, None, :]
-    )
-    sidx = (c // 2)[:, None] * 8 + 2 * t[None, :] + (c % 2)[:, None]  # [4c, 4t]
-    qidx = c[:, None] * 4 + jj[None, :]  # [4c, 4jj]
     ones = tl.full([4, 4, 4], 0x01010101, tl.int32)
     xo = xw_ptr + pair.to(tl.int64) * (F // 4)
     lo = pid_s * kt_per_split
@@ -598,32 +634,61 @@ def _q2k_q8k_down_kernel(
     acc = tl.zeros(
         [BN, 4, 4], dtype=tl.float32
     )  # per (row, group of 16) partial sums, reduced after the loop
-    for kt0 in range(lo, hi, UNROLL):
-        for u in tl.static_range(UNROLL):
-            kt = tl.minimum(kt0 + u, hi - 1)
-            xw = tl.load(xo + kt * 64 + xcol)  # [4c, 4t, 4jj] int32: 4 int8 x each
-            dx = tl.load(dx_ptr + pair.to(tl.int64) * nb + kt)
-            if UNROLL > 1:  # a step past hi repeats block hi - 1 with dx = 0
-                dx = tl.where(kt0 + u < hi, dx, 0.0)
-            w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
-            q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
-            qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
-            xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
-            if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
-                xw2 = tl.load(xo + xplane + kt * 64 + xcol)
-                qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
-                xv = _dot4(ones, xw2, xv * 254, DP4A)
-            qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
-            xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
-            s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
-            d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
-            dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
-            acc += (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
-                tl.float32
+    xd = dx_ptr + pair.to(tl.int64) * nb
+    if PREFETCH:  # block lo's bytes now; each step loads block kt + 1 before it computes block kt
+        kn = tl.minimum(lo, nb - 1)
+        xw_n, xw2_n, dx_n, w_n, s8_n, d_n, m_n = _q2k_load(xo, xplane, xd, qw, sc, dm, wrow, kn, nb, TERMS)
+    for kt in range(lo, hi):
+        if PREFETCH:
+            xw, xw2, dx, w, s8, d, dmin = xw_n, xw2_n, dx_n, w_n, s8_n, d_n, m_n
+            kn = tl.minimum(kt + 1, hi - 1)  # the last step reloads its own block (unused)
+            xw_n, xw2_n, dx_n, w_n, s8_n, d_n, m_n = _q2k_load(
+                xo, xplane, xd, qw, sc, dm, wrow, kn, nb, TERMS
             )
+        else:
+            xw, xw2, dx, w, s8, d, dmin = _q2k_load(xo, xplane, xd, qw, sc, dm, wrow, kt, nb, TERMS)
+        q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
+        qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
+        xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
+        if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
+            qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
+            xv = _dot4(ones, xw2, xv * 254, DP4A)
+        qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
+        xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
+        d = d[:, None, None]
+        dmin = dmin[:, None, None]
+        acc += (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
+            tl.float32
+        )
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
     tl.store(out + n, acc * rw, mask=n < D)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# B <= 4 analysis (session 4; tools/gpu/bench_moe.py --compile-only: Triton 3.6, sm_90 SASS of the k loop).
+# Flash widths at B = 1: 6 pairs; gate+up 2 x 6 x 2048 x 4096 = 100.7 M IQ2_XXS weights (26 MB), down
+# 6 x 4096 x 2048 = 50.3 M Q2_K weights (16.5 MB); H200: 132 SMs, 64 warps / SM, ~4 TB/s.
+#   gate+up default (bn 16, 4 warps): 768 programs (5.8 / SM; 64 regs -> at most 8 resident, one wave of
+#     23 of 64 warps), 33.8 KB per program (2.1 KB per k step). Loop: 4.14 SASS per weight per thread (ld
+#     0.55, dp4a 0.50, int 2.14, fp 0.31; 8 BAR per step). Issue bound: 100.7 M x 4.14 / 32 = 13 M warp
+#     instructions / (132 x 4 per clock) = 12.5 us at 1.98 GHz (int pipe at half rate: ~16 us), yet 43.9 us
+#     measured: NOT instruction-bound (the plain-int32 form runs 2.1x the instructions for 1.37x the time;
+#     one term, -15 % instructions, is 5 % faster). Per group of 8 weights a thread makes two divergent 8-byte
+#     global gathers (grid row from a 2 KB table, sign mask from 1 KB): a warp's gather touches ~14 of 16 /
+#     ~7.5 of 8 128-B lines, and the L1 tag stage takes about one line per clock, so with the two x loads
+#     (~2 x 2) ~26 L1 clocks per 32 groups: 12.6 M groups / 32 x 26 / 132 SMs = 39 us at 1.98 GHz, the
+#     measured time. Limit (an estimate, not profiled): L1 (LSU wavefront) throughput of the table gathers.
+#     Variants: `gather` (both tables via tl.gather from register copies, i.e. shared memory: only bank
+#     conflicts, ~3.5 wavefronts per 32 random 4-byte words, about half the L1 clocks; the loop's LDG 31 -> 15
+#     per thread and step), `sign_math` (no sign-mask lookup at all, +0.9 int op per weight).
+#   down default (bn 64, 4 warps): 384 programs (2.9 / SM, 11.6 warps; 80 regs -> 6 resident), 43 KB per
+#     program (5.4 KB per k step, 8 steps). Loop: 3.73 per weight (ld 0.23, no gathers): issue bound ~6 us,
+#     bandwidth 4 us, measured 26 us. Limit: latency / too few bytes in flight: ~16 KB per SM vs the ~30 KB
+#     that 4 TB/s x ~1 us loaded latency needs, one step's loads at a time per program, plus the quantize and
+#     split-sum launches. Variants: `unroll` (2-4 super-blocks' loads per step), k-splits, smaller tiles.
+#   B = 4: 24 pairs, 4x the programs and the same per-program shape: gate+up stays gather-bound (the same
+#     variants apply); down has 4x the programs, so unroll matters less there.
 
 
 @functools.cache
@@ -650,15 +715,13 @@ class MoeConfig:
     int8: bool = False  # the Q8_K integer kernels for IQ2_XXS gate/up and Q2_K down (wins over `fast`)
     dp4a: bool = True  # int8 kernels on CUDA: PTX dp4a (False: the plain int32 expression, for A/B)
     terms: int = 2  # int8 kernels: activation int8 planes (1: plain Q8_K, ~1 % error; 2: + residual plane)
-    unroll: int = 1  # int8 kernels: super-blocks per k-loop step (more weight bytes in flight per program)
+    prefetch: bool = False  # int8 kernels: load super-block kt + 1 before computing kt (software pipelining)
     sign_math: bool = False  # int8 IQ2_XXS: sign byte masks computed in ALU ops instead of an L1 gather
     gather: bool = False  # int8 IQ2_XXS: table lookups via tl.gather (shared memory) instead of L1 gathers
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
             raise ValueError(f"MoeConfig.terms must be 1 or 2, got {self.terms}")
-        if self.unroll not in (1, 2, 4):
-            raise ValueError(f"MoeConfig.unroll must be 1, 2 or 4, got {self.unroll}")
 
 
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
@@ -757,7 +820,7 @@ def moe_gate_up(
         _iq2_q8k_gate_up_kernel[grid](
             xq.view(torch.int64), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
-            TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, UNROLL=cfg.unroll,
+            TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, PREFETCH=cfg.prefetch,
             GATHER=cfg.gather, num_warps=cfg.warps,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
@@ -818,7 +881,7 @@ def moe_down(
         w = wd.data
         _q2k_q8k_down_kernel[grid](
             xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F,
-            B * k * F // 4, per, BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), UNROLL=cfg.unroll,
+            B * k * F // 4, per, BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), PREFETCH=cfg.prefetch,
             num_warps=cfg.warps,
         )  # fmt: skip
     elif wd.qtype == GGMLType.Q2_K and cfg.fast:

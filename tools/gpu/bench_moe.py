@@ -3,7 +3,7 @@ with one activation plane (terms 1, plain Q8_K) and two (terms 2, + residual pla
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]          (~2 minutes)
               PYTHONPATH=. python3 tools/gpu/bench_moe.py --quick [out_dir]  (< 90 s: B = 1, 4; the int8
-              default vs the session-4 variants (unroll, sign_math, k-splits); one verdict line per B)
+              default vs the session-4 variants (prefetch, sign_math, gather, k-splits); a verdict per B)
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe.py --compile-only     (sm_90 build, SASS per weight
               and per instruction class, for the defaults and every variant)
 
@@ -49,9 +49,9 @@ CLAMP = 10.0
 
 
 def label(cfg: moe.MoeConfig) -> str:
-    """Short name of an int8 config: tile, warps, k-splits, unroll, sign masks, terms ('t2' / 't1' last: the
-    per-terms summary groups on it)."""
-    extra = (f" s{cfg.splits}" if cfg.splits > 1 else "") + (f" u{cfg.unroll}" if cfg.unroll > 1 else "")
+    """Short name of an int8 config: tile, warps, k-splits, prefetch, sign masks, gather, terms ('t2' / 't1'
+    last: the per-terms summary groups on it)."""
+    extra = (f" s{cfg.splits}" if cfg.splits > 1 else "") + (" pf" if cfg.prefetch else "")
     extra += (
         (" math" if cfg.sign_math else "") + (" smem" if cfg.gather else "") + ("" if cfg.dp4a else " int32")
     )
@@ -70,35 +70,32 @@ def _new(**kw) -> moe.MoeConfig:
 
 
 # Session-4 variants aimed at B <= 4 (see the analysis in ds4/kernels/moe.py): more weight bytes in flight per
-# program (unroll), no sign-mask gather (sign_math), table lookups in shared memory instead of L1 (gather),
+# program (prefetch), no sign-mask gather (sign_math), table lookups in shared memory instead of L1 (gather),
 # more programs (k-splits, smaller tiles).
 GU_NEW = [
-    _new(bn=16, unroll=2),
-    _new(bn=16, unroll=4),
+    _new(bn=16, prefetch=True),
     _new(bn=16, sign_math=True),
-    _new(bn=16, unroll=2, sign_math=True),
-    _new(bn=8, unroll=2),
-    _new(bn=8, unroll=4, sign_math=True),
-    _new(bn=16, splits=2, unroll=2),
-    _new(bn=32, warps=8, unroll=2, sign_math=True),
     _new(bn=16, gather=True),
     _new(bn=16, gather=True, sign_math=True),
-    _new(bn=16, gather=True, sign_math=True, unroll=2),
-    _new(bn=32, warps=8, gather=True, sign_math=True),
+    _new(bn=16, gather=True, prefetch=True),
+    _new(bn=16, gather=True, sign_math=True, prefetch=True),
+    _new(bn=8, prefetch=True),
+    _new(bn=8, gather=True, sign_math=True, prefetch=True),
+    _new(bn=16, splits=2, prefetch=True),
+    _new(bn=32, warps=8, gather=True, sign_math=True, prefetch=True),
+    _new(bn=16, sign_math=True, prefetch=True),
+    _new(bn=16, warps=8, prefetch=True),  # 8 warps: half the prefetched registers per thread
+    _new(bn=16, warps=8, gather=True, prefetch=True),
 ]
 DN_NEW = [
-    _new(bn=64, unroll=2),
-    _new(bn=32, unroll=2),
-    _new(bn=32, unroll=4),
-    _new(bn=16, unroll=4),
+    _new(bn=64, prefetch=True),
+    _new(bn=32, prefetch=True),
+    _new(bn=16, prefetch=True),
     _new(bn=64, splits=2),
-    _new(bn=32, splits=2, unroll=2),
+    _new(bn=32, splits=2, prefetch=True),
+    _new(bn=64, splits=2, prefetch=True),
+    _new(bn=64, warps=8, prefetch=True),
 ]
-
-
-# (label, config); the first of each list is the current f32 default. Two terms at every tile, one term at the
-# tile that was best with it (A/B of the residual plane's cost). Each variant compiles once: keep the lists
-# short (tools/gpu/session_run.sh gives the whole run 120 s).
 _OLD_INT8_GU = [(8, 4, True, 2), (16, 4, True, 2), (32, 4, True, 2), (32, 8, True, 2), (16, 4, False, 2)] + [
     (16, 4, True, 1)
 ]
@@ -108,10 +105,13 @@ _OLD_INT8_DN = [(16, 4, True, 2), (32, 4, True, 2), (64, 4, True, 2), (64, 8, Tr
 GU = [("current", replace(moe.GATE_UP, int8=False))] + _int8_variants(_OLD_INT8_GU)
 DOWN = [("current", replace(moe.DOWN, int8=False))] + _int8_variants(_OLD_INT8_DN)
 _GU_DEF, _DN_DEF = replace(moe.GATE_UP, int8=True), replace(moe.DOWN, int8=True)  # the engine's defaults
+# --quick: the variants most likely to win (each costs a JIT compile of ~2 s on the H200 machine)
+GU_QUICK = [0, 1, 2, 3, 5, 6, 11, 12]  # pf, math, smem, smem math, smem math pf, bn8 pf, w8 pf, w8 smem pf
+DN_QUICK = [0, 1, 3, 6]  # bn64 pf, bn32 pf, bn64 s2, bn64 w8 pf
 if QUICK:  # the int8 default first, then the new variants
     BATCHES = (1, 4)
-    GU = [("default " + label(_GU_DEF), _GU_DEF)] + [(label(c), c) for c in GU_NEW]
-    DOWN = [("default " + label(_DN_DEF), _DN_DEF)] + [(label(c), c) for c in DN_NEW]
+    GU = [("default " + label(_GU_DEF), _GU_DEF)] + [(label(GU_NEW[i]), GU_NEW[i]) for i in GU_QUICK]
+    DOWN = [("default " + label(_DN_DEF), _DN_DEF)] + [(label(DN_NEW[i]), DN_NEW[i]) for i in DN_QUICK]
 else:
     GU += [(label(c), c) for c in GU_NEW]
     DOWN += [(label(c), c) for c in DN_NEW]
@@ -337,14 +337,12 @@ def _int8_runs(quick: bool) -> list[tuple]:
     runs = []
     for c in gu:
         consts = {"BN": c.bn, "CLAMP": True, "SPLIT": c.splits > 1, "TERMS": c.terms, "DP4A": c.dp4a}
-        consts |= {"SIGN_MATH": c.sign_math, "UNROLL": c.unroll, "GATHER": c.gather}
-        weights = 2 * c.bn * 256 * c.unroll
+        consts |= {"SIGN_MATH": c.sign_math, "PREFETCH": c.prefetch, "GATHER": c.gather}
+        weights = 2 * c.bn * 256
         runs.append((f"gu {label(c)}", moe._iq2_q8k_gate_up_kernel, gu_sig, consts, c.warps, weights))
     for c in dn:
-        consts = {"BN": c.bn, "TERMS": c.terms, "DP4A": c.dp4a, "UNROLL": c.unroll}
-        runs.append(
-            (f"dn {label(c)}", moe._q2k_q8k_down_kernel, dn_sig, consts, c.warps, c.bn * 256 * c.unroll)
-        )
+        consts = {"BN": c.bn, "TERMS": c.terms, "DP4A": c.dp4a, "PREFETCH": c.prefetch}
+        runs.append((f"dn {label(c)}", moe._q2k_q8k_down_kernel, dn_sig, consts, c.warps, c.bn * 256))
     return runs
 
 
@@ -372,7 +370,7 @@ def compile_only() -> None:
     """Every kernel variant compiled for sm_90; per variant: registers, the innermost loop's instructions per
     thread and per weight (weights a thread covers per loop step), split by class (ld = LDG/LDS, dp4a = IDP,
     int / fp ALU, bar), and the B = 1 launch: programs and resident programs per SM (register limit)."""
-    say(f"triton {triton.__version__}: sm_90 compile, SASS of the k loop per weight (--quick: int8 only)")
+    say(f"triton {triton.__version__}: sm_90 compile, SASS of the k loop per weight{' (int8 only)' * QUICK}")
     runs = _int8_runs(QUICK) + ([] if QUICK else _f32_runs())
     say(f"  {'kernel':33s} {'regs':8s} {'loop':>4s} {'/wt':>5s}  per weight: ld dp4a int fp | bar | B=1 "
         f"programs (per SM resident max)")  # fmt: skip
