@@ -680,15 +680,22 @@ def _q2k_q8k_down_kernel(
 #     (~2 x 2) ~26 L1 clocks per 32 groups: 12.6 M groups / 32 x 26 / 132 SMs = 39 us at 1.98 GHz, the
 #     measured time. Limit (an estimate, not profiled): L1 (LSU wavefront) throughput of the table gathers.
 #     Variants: `gather` (both tables via tl.gather from register copies, i.e. shared memory: only bank
-#     conflicts, ~3.5 wavefronts per 32 random 4-byte words, about half the L1 clocks; the loop's LDG 31 -> 15
-#     per thread and step), `sign_math` (no sign-mask lookup at all, +0.9 int op per weight).
+#     conflicts, ~3.5 wavefronts per 32 random 4-byte words, about half the L1 clocks; with sign_math the
+#     loop's LDG drop 31 -> 15 per thread and step), `sign_math` (no sign-mask lookup at all, +0.9 int op
+#     per weight).
 #   down default (bn 64, 4 warps): 384 programs (2.9 / SM, 11.6 warps; 80 regs -> 6 resident), 43 KB per
 #     program (5.4 KB per k step, 8 steps). Loop: 3.73 per weight (ld 0.23, no gathers): issue bound ~6 us,
 #     bandwidth 4 us, measured 26 us. Limit: latency / too few bytes in flight: ~16 KB per SM vs the ~30 KB
-#     that 4 TB/s x ~1 us loaded latency needs, one step's loads at a time per program, plus the quantize and
-#     split-sum launches. Variants: `unroll` (2-4 super-blocks' loads per step), k-splits, smaller tiles.
+#     that 4 TB/s x ~1 us loaded latency needs, and a program's loads wait for its previous step: the layout
+#     conversions of the step's math put BARs in the loop, and ptxas does not hoist loads above them (an
+#     unrolled 2-block step was compiled with block 2's LDGs after block 1's math). Plus the quantize and
+#     split-sum launches. Variants: `prefetch` (block kt + 1's loads issued at the top of step kt: all LDGs
+#     before the first BAR in the SASS; costs registers: 80 -> 127 for down bn 64, 64 -> 116 for gate+up
+#     bn 16, so fewer resident programs; 8 warps halve that per thread), k-splits, smaller tiles.
 #   B = 4: 24 pairs, 4x the programs and the same per-program shape: gate+up stays gather-bound (the same
-#     variants apply); down has 4x the programs, so unroll matters less there.
+#     variants apply); down has 4x the programs, so prefetch matters less there.
+# Expected (not measured): gate+up 44 -> ~20-25 us if the L1 estimate holds (then issue-bound), down 26 ->
+# ~15-20 us; ~1 ms per token of the ~3 ms. tools/gpu/bench_moe.py --quick picks per B.
 
 
 @functools.cache
