@@ -44,7 +44,7 @@ MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up 
 @triton.jit
 def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb):
     """IQ2_XXS super-block kt of rows wrow [BN], decoded once: (wlo, whi [BN, 8, 4] int32 signed grid bytes
-    of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8, 1] int32 = 2 ls + 1, d [BN] f32), as moe.py's
+    of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8, 4] int32 = 2 ls + 1, d [BN] f32), as moe.py's
     _iq2_q8k_block decodes them."""
     sb = tl.arange(0, 8)[None, :, None]
     lg = tl.arange(0, 4)[None, None, :]
@@ -56,7 +56,9 @@ def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb):
     m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # byte masks of the sign patterns
     wlo = _negate_bytes(row.to(tl.int32), m.to(tl.int32))
     whi = _negate_bytes((row >> 32).to(tl.int32), (m >> 32).to(tl.int32))
-    return wlo, whi, 2 * ((a1 >> 28) & 15) + 1, d
+    # the scale as [BN, 8, 4], the dots' shape: its layout conversion is made once per block, not per pair
+    ls = 2 * ((tl.broadcast_to(a1, (a1.shape[0], 8, 4)) >> 28) & 15) + 1
+    return wlo, whi, ls, d
 
 
 @triton.jit
