@@ -6,8 +6,9 @@ B*k experts' blocks although fewer are distinct (B = 32, k = 6: 192 pairs, ~134.
 IQ2_XXS decode is instruction-bound. Here the pairs are sorted by expert on the device (moe.group_by_expert:
 no host sync) and one program takes an (expert run, output-row tile): up to PT pairs of one expert, decoding
 each super-block once and applying it to every pair's quantized activations (the same two-term Q8_K planes,
-moe.quantize_q8k, and integer dots as the int8 kernels; per pair the same f32 operations in the same order,
-so the results equal moe.moe_gate_up / moe_down up to f32 summation order).
+moe.quantize_q8k, and integer dots as the int8 kernels, so the results equal moe.moe_gate_up / moe_down up
+to f32 rounding: gate/up sums the 4 groups of a sub-block as integers before scaling, one f32 multiply-add
+per 32 weights instead of per 8, ~10 % fewer instructions per pair; down is op for op the pair kernel's).
 
 Static grid for CUDA graphs: programs over (output tile, sorted pair position p); p leads a chunk when
 (p - start of its expert's run) % PT == 0 and handles pairs p .. min(p + PT, end of run) - 1; other programs
@@ -65,8 +66,10 @@ def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb):
 def _iq2_pair(
     wlo, whi, ls, d, xw_ptr, dx_ptr, b, kt, nb, xrow, xplane, xg, TERMS: tl.constexpr, DP4A: tl.constexpr
 ):
-    """[BN, 8, 4] f32 lane partials of one pair (x row b: xw words at b * xrow, int64 per group of 8) on a
-    decoded IQ2_XXS super-block: (d_w d_x) (2 ls + 1) sum_8 g v, as moe._iq2_q8k_block."""
+    """[BN, 8] f32 partials of one pair (x row b: xw words at b * xrow, int64 per group of 8) on a decoded
+    IQ2_XXS super-block: (d_w d_x) sum_32 (2 ls + 1) g v per sub-block, the 4 groups of a sub-block summed as
+    integers (moe._iq2_q8k_block scales each group in f32: same value up to f32 rounding; the twin sums whole
+    blocks as integers). |sum| <= 4 * 8 * 43 * 32385 * 31 < 2^31."""
     xo = xw_ptr + b * xrow + kt * 32 + xg
     x8 = tl.load(xo)  # [1, 8, 4] int64
     dot = _dot4(whi, (x8 >> 32).to(tl.int32), _dot4(wlo, x8.to(tl.int32), 0, DP4A), DP4A)
@@ -74,7 +77,7 @@ def _iq2_pair(
         x8 = tl.load(xo + xplane)
         dot = _dot4(whi, (x8 >> 32).to(tl.int32), _dot4(wlo, x8.to(tl.int32), dot * 254, DP4A), DP4A)
     dx = tl.load(dx_ptr + b * nb + kt)
-    return (d * dx)[:, None, None] * (dot * ls).to(tl.float32)
+    return (d * dx)[:, None] * tl.sum(dot * ls, axis=2).to(tl.float32)
 
 
 @triton.jit
@@ -97,9 +100,9 @@ def _pair_index(order_ptr, p, i, n_pairs):
 
 @triton.jit
 def _gu_store(out_ptr, pidx, g, u, n, F, clamp, ok, CLAMP: tl.constexpr):
-    """mid row pidx [F] = clamped SwiGLU of the [BN, 8, 4] lane partials g, u (where ok)."""
-    g = tl.sum(tl.sum(g, axis=2), axis=1) * 0.125
-    u = tl.sum(tl.sum(u, axis=2), axis=1) * 0.125
+    """mid row pidx [F] = clamped SwiGLU of the [BN, 8] partials g, u (where ok)."""
+    g = tl.sum(g, axis=1) * 0.125
+    u = tl.sum(u, axis=1) * 0.125
     if CLAMP:
         g = tl.minimum(g, clamp)  # the gate has no lower bound (§5.5)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
@@ -151,14 +154,14 @@ def _gate_up_grouped_kernel(
     p2 = _pair_index(order_ptr, p, 2, n_pairs)
     p3 = _pair_index(order_ptr, p, 3, n_pairs)
     b0, b1, b2, b3 = p0 // n_slots, p1 // n_slots, p2 // n_slots, p3 // n_slots
-    g0 = tl.zeros([BN, 8, 4], dtype=tl.float32)  # per-lane partials of pair i, reduced after the loop
-    u0 = tl.zeros([BN, 8, 4], dtype=tl.float32)
-    g1 = tl.zeros([BN, 8, 4], dtype=tl.float32)
-    u1 = tl.zeros([BN, 8, 4], dtype=tl.float32)
-    g2 = tl.zeros([BN, 8, 4], dtype=tl.float32)
-    u2 = tl.zeros([BN, 8, 4], dtype=tl.float32)
-    g3 = tl.zeros([BN, 8, 4], dtype=tl.float32)
-    u3 = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    g0 = tl.zeros([BN, 8], dtype=tl.float32)  # per-lane partials of pair i, reduced after the loop
+    u0 = tl.zeros([BN, 8], dtype=tl.float32)
+    g1 = tl.zeros([BN, 8], dtype=tl.float32)
+    u1 = tl.zeros([BN, 8], dtype=tl.float32)
+    g2 = tl.zeros([BN, 8], dtype=tl.float32)
+    u2 = tl.zeros([BN, 8], dtype=tl.float32)
+    g3 = tl.zeros([BN, 8], dtype=tl.float32)
+    u3 = tl.zeros([BN, 8], dtype=tl.float32)
     for kt in range(0, tl.where(live, nb, 0)):
         wl, wh, ls, d = _iq2_decode(gq, gs, gd, tab64, ksm, wrow, kt, nb)
         vl, vh, ms, c = _iq2_decode(uq, us, ud, tab64, ksm, wrow, kt, nb)
