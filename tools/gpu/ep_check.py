@@ -109,7 +109,8 @@ def measure(model, prompt: list[int], steps: int, n_decode: int) -> dict:
     """Rank 0's timeline on `model` (a CudaModel, or a Leader mirroring it to the other ranks)."""
     st = model.new_state(len(prompt) + max(steps, n_decode) + 16)
     t0 = time.perf_counter()
-    model.forward(st, prompt[:1024])  # warm-up: prefill kernels, then decode compile + graph capture
+    model.forward(st, prompt)  # warm-up at the timed length (a longer prompt selects rows by indexer score,
+    # whose kernels would otherwise compile inside the timed prefill), then decode compile + graph capture
     model.decode_greedy(st, 5, 4, exclude=EOS)
     sync()
     st.reset()
