@@ -17,11 +17,12 @@ Numerics contract.
  * Inputs: qi [T, Hi, Di] and rows [C, Di] f32 (or bf16) as the model feeds them: both come out of the
    indexer QAT (quantsim.indexer_qat: Hadamard, then an FP4 E2M1 round trip with one power-of-two scale per
    32 values), so every element is m * 2^e with m in {0, 0.5, 1, 1.5, 2, 3, 4, 6}: two significant bits. The
-   dot operands are cast to bf16 (8-bit significand), which is EXACT for such values (model.md §7 step 1 and
-   §6 step 7: the reference model itself rounds both operands this way), and bf16 x bf16 products are exact
-   in the f32 accumulator. Other inputs would be rounded to bf16 (RTNE on the GPU); the twin rounds the same
-   way, so kernel and twin agree for any input. (FP4 values below 2^-126, possible only for an all-but-zero
-   32-block, are bf16 subnormals that tensor cores may flush to 0: a score change far below any tolerance.)
+   dot operands are cast to bf16 (8-bit significand), which is EXACT for such values (the reference model
+   itself rounds both operands to FP4 first: model.md §7 step 1, §6 step 7), and bf16 x bf16 products are
+   exact in the f32 accumulator. Other inputs would be rounded to bf16 (RTNE on the GPU); the twin rounds
+   the same way, so kernel and twin agree for any input. (FP4 values below 2^-126, possible only for an
+   all-but-zero 32-block, are bf16 subnormals that tensor cores may flush to 0: a change far below any
+   tolerance.)
    wts [T, Hi] f32 (the projection already scaled by 1/sqrt(Di * Hi)), used in f32.
  * Sums: the twin (ref.indexer_scores_prefill) sums each dot over Di and the heads over Hi with torch's f32
    einsum/GEMM order; the kernel sums the dot in the tensor core's f32 order and the heads sequentially
