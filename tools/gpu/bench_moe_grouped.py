@@ -42,8 +42,7 @@ BATCHES = (8, 16, 32)
 CHECK_B = (32, 2)  # rows of the check against the pair kernels, against the twin
 CLAMP = 10.0
 CHAIN_TOL = 1e-4
-PAIR_GU = moe.MoeConfig(bn=16, splits=1, warps=4, int8=True)  # the engine's int8 defaults (session 3)
-PAIR_DN = moe.MoeConfig(bn=64, splits=1, warps=4, int8=True)
+PAIR_GU, PAIR_DN = moe.GATE_UP, moe.DOWN  # the engine's pair kernels as configured now (int8 by default)
 GU_VARIANTS = [
     GroupedConfig(bn_gu=16, pairs=4),
     GroupedConfig(bn_gu=8, pairs=4),
@@ -57,6 +56,8 @@ DN_VARIANTS = [
     GroupedConfig(bn_dn=16, pairs=4),
     GroupedConfig(bn_dn=64, pairs=2),
 ]
+PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
+PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")
 GEN: torch.Generator
 LOG: list[str] = []
@@ -204,7 +205,7 @@ def bench(layers, biases, t0) -> dict:
                     continue
                 rows[op][label] = t
                 say(f"  {op} {label:24s} {t * 1e6:9.1f} us  {uniq * nbytes / t / 1e9:7.0f} GB/s")
-        pair = rows["gu"].get("pair int8 bn16", 0.0) + rows["dn"].get("pair int8 bn64", 0.0)
+        pair = rows["gu"].get(PAIR_GU_LABEL, 0.0) + rows["dn"].get(PAIR_DN_LABEL, 0.0)
         g_gu = {k: v for k, v in rows["gu"].items() if k.startswith("grouped")}
         g_dn = {k: v for k, v in rows["dn"].items() if k.startswith("grouped")}
         if g_gu and g_dn:
