@@ -8,7 +8,7 @@ no host sync) and one program takes an (expert run, output-row tile): up to PT p
 each super-block once and applying it to every pair's quantized activations (the same two-term Q8_K planes,
 moe.quantize_q8k, and integer dots as the int8 kernels, so the results equal moe.moe_gate_up / moe_down up
 to f32 rounding: gate/up sums the 4 groups of a sub-block as integers before scaling, one f32 multiply-add
-per 32 weights instead of per 8, ~10 % fewer instructions per pair; down is op for op the pair kernel's).
+per 32 weights instead of per 8, ~15 % fewer instructions per pair; down is op for op the pair kernel's).
 
 Static grid for CUDA graphs: programs over (output tile, sorted pair position p); p leads a chunk when
 (p - start of its expert's run) % PT == 0 and handles pairs p .. min(p + PT, end of run) - 1; other programs
@@ -335,7 +335,8 @@ class GroupedConfig:
             raise ValueError(f"GroupedConfig.terms must be 1 or 2, got {self.terms}")
 
 
-# Not yet timed on a GPU (tools/gpu/bench_moe_grouped.py picks): the int8 pair kernels' tiles, 4 pairs each.
+# Not yet timed on a GPU (tools/gpu/bench_moe_grouped.py times the alternatives): gate/up bn 16 as the pair
+# kernel, down bn 32 (4 pairs at bn 64 take 168 registers on sm_90), 4 pairs per program.
 CONFIG = GroupedConfig()
 
 
