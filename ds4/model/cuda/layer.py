@@ -416,7 +416,7 @@ def attention_prefill(w, shape: AttentionShape, kv: DeviceLayerKV, xn, p0: int, 
             ic = w.indexer.compressor
             _chunk_rows(ic, xn, p0, r, kv.index_kv, kv.index_score, kv.index, inv_freq, eps, R, True)
             topk = shape.indexer_topk
-            idx, valid = _indexer_pick(w.indexer, qn, xn, positions, kv.index[:C], topk, inv_freq)
+            idx, valid = _indexer_pick(w.indexer, qn, xn, positions, kv.index[:C], topk, inv_freq, p0)
         else:
             ar = torch.arange(C, device=xn.device)
             idx, valid = ar.expand(T, C), ar[None, :] < ((positions + 1) // r)[:, None]
