@@ -531,10 +531,10 @@ def test_iq2_sign_bits_exhaustive():
 
 # Session-4 B <= 4 variants: table lookups by tl.gather (grid; sign masks computed in the first, gathered in
 # the second), prefetch of the next super-block (2 blocks here: two steps, or one per k-split in the
-# second), each against the exact integer twin.
+# second), the down's k-slot and split sum in the kernel (second), each against the exact integer twin.
 VARIANT_CONFIGS = [
     moe.MoeConfig(16, 1, 4, int8=True, sign_math=True, prefetch=True, gather=True),
-    moe.MoeConfig(16, 2, 4, int8=True, prefetch=True, terms=1, gather=True),
+    moe.MoeConfig(16, 2, 4, int8=True, prefetch=True, terms=1, gather=True, fixup=True),
 ]
 
 
@@ -547,8 +547,9 @@ def test_moe_int8_variants(cfg):
     wg, wu, wd, ids, x, mid, weights = _int8_case(16, 512, 54)
     got = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)
     assert rel_err(got, ref.moe_gate_up_q8k(x, wg, wu, ids, 1.0, cfg.terms)) < F32_TOL
-    got = moe.moe_down(mid, weights, wd, ids, cfg)
-    assert rel_err(got, ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)) < F32_TOL
+    want = ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)
+    for _ in range(2):  # fixup: the counters re-armed by the first call
+        assert rel_err(moe.moe_down(mid, weights, wd, ids, cfg), want) < F32_TOL
 
 
 def test_moe_int8_two_terms_vs_one_term():
@@ -642,6 +643,8 @@ def test_moe_int8_variants_flash_widths_cuda():
         moe.MoeConfig(8, 1, 4, int8=True, prefetch=True, sign_math=True),
         moe.MoeConfig(32, 2, 8, int8=True, prefetch=True, gather=True),
         moe.MoeConfig(64, 2, 4, int8=True, prefetch=True, terms=1),
+        moe.MoeConfig(64, 1, 4, int8=True, fixup=True),
+        moe.MoeConfig(32, 2, 4, int8=True, fixup=True, prefetch=True, terms=1),
     ]
     for b in (1, 4):
         ids = torch.randint(0, 8, (b, 6), generator=gen, device=DEVICE).int()

@@ -34,7 +34,17 @@ from ds4.quant.tables import KSIGNS
 from ds4.quant.types import GGMLType
 
 from . import ref
-from .matvec import check_weight, dot_rows, prep_x, sub_width, tile_k, use_triton, weight_args
+from .matvec import (
+    _split_counters,
+    _split_fixup,
+    check_weight,
+    dot_rows,
+    prep_x,
+    sub_width,
+    tile_k,
+    use_triton,
+    weight_args,
+)
 from .packing import PackedWeight, iq2xxs_grid_i64
 
 
@@ -555,16 +565,52 @@ def _iq2_q8k_gate_up_kernel(
             gi_n, ga_n, gd_n = _iq2_load(gq, gs, gd, wrow, kn, nb)
             ui_n, ua_n, ud_n = _iq2_load(uq, us, ud, wrow, kn, nb)
             xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n = _x_load(xo, xplane, xd, kn, nb, xg, TERMS)
-        else:
-            gi, ga, gdd = _iq2_load(gq, gs, gd, wrow, kt, nb)
-            ui, ua, udd = _iq2_load(uq, us, ud, wrow, kt, nb)
+            acc_g += _iq2_q8k_dot(
+                gi,
+                ga,
+                gdd,
+                tab64,
+                ksm,
+                xlo,
+                xhi,
+                x2lo,
+                x2hi,
+                dx,
+                tab_r,
+                ksm_r,
+                TERMS,
+                DP4A,
+                SIGN_MATH,
+                GATHER,
+            )
+            acc_u += _iq2_q8k_dot(
+                ui,
+                ua,
+                udd,
+                tab64,
+                ksm,
+                xlo,
+                xhi,
+                x2lo,
+                x2hi,
+                dx,
+                tab_r,
+                ksm_r,
+                TERMS,
+                DP4A,
+                SIGN_MATH,
+                GATHER,
+            )
+        else:  # the session-3 op order (the default's SASS unchanged): x, then gate's block, then up's
             xlo, xhi, x2lo, x2hi, dx = _x_load(xo, xplane, xd, kt, nb, xg, TERMS)
-        acc_g += _iq2_q8k_dot(
-            gi, ga, gdd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER
-        )
-        acc_u += _iq2_q8k_dot(
-            ui, ua, udd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER
-        )
+            acc_g += _iq2_q8k_block(
+                gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
+                SIGN_MATH, GATHER,
+            )  # fmt: skip
+            acc_u += _iq2_q8k_block(
+                uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
+                SIGN_MATH, GATHER,
+            )  # fmt: skip
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
     _store_gate_up(out_ptr, acc_g, acc_u, pair, pid_s, n, F, clamp, CLAMP, SPLIT)
@@ -613,11 +659,17 @@ def _q2k_q8k_down_kernel(
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
     PREFETCH: tl.constexpr = False,
+    FIXUP: tl.constexpr = False,
+    sum_ptr=None,
+    cnt_ptr=None,
+    n_slots=1,
 ):
     """Q2_K down projection of one pair on its quantized mid row (xw [TERMS, pairs, F/4] int32 words, planes
     xplane = pairs F / 4 words apart; dx [pairs, F/256]); output as _down_kernel. Quant word 4c + jj (c =
     16-byte group: half c // 2, byte group c % 2) shifted by 2t holds elements 128 (c // 2) + 32 t
-    + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2. PREFETCH: as the gate/up kernel."""
+    + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2. PREFETCH: as the gate/up kernel.
+    FIXUP: partials go to out [S, k, B, D] instead, and the last of the S k programs of each (row, tile)
+    (counters cnt_ptr [B, D tiles]) writes their sum, in (split, slot) order, to sum_ptr [B, D]."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -626,7 +678,14 @@ def _q2k_q8k_down_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     wrow = e * D + tl.minimum(n, D - 1)
     nb = F // 256
+    c = tl.arange(0, 4)
     t = tl.arange(0, 4)
+    jj = tl.arange(0, 4)
+    xcol = (
+        (c // 2)[:, None, None] * 32 + t[None, :, None] * 8 + (c % 2)[:, None, None] * 4 + jj[None, None, :]
+    )
+    sidx = (c // 2)[:, None] * 8 + 2 * t[None, :] + (c % 2)[:, None]  # [4c, 4t]
+    qidx = c[:, None] * 4 + jj[None, :]  # [4c, 4jj]
     ones = tl.full([4, 4, 4], 0x01010101, tl.int32)
     xo = xw_ptr + pair.to(tl.int64) * (F // 4)
     lo = pid_s * kt_per_split
@@ -645,24 +704,47 @@ def _q2k_q8k_down_kernel(
             xw_n, xw2_n, dx_n, w_n, s8_n, d_n, m_n = _q2k_load(
                 xo, xplane, xd, qw, sc, dm, wrow, kn, nb, TERMS
             )
-        else:
-            xw, xw2, dx, w, s8, d, dmin = _q2k_load(xo, xplane, xd, qw, sc, dm, wrow, kt, nb, TERMS)
-        q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
-        qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
-        xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
-        if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
-            qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
-            xv = _dot4(ones, xw2, xv * 254, DP4A)
-        qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
-        xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
-        d = d[:, None, None]
-        dmin = dmin[:, None, None]
+            q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
+            qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
+            xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
+            if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
+                qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
+                xv = _dot4(ones, xw2, xv * 254, DP4A)
+            qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
+            xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
+            d = d[:, None, None]
+            dmin = dmin[:, None, None]
+        else:  # the session-3 op order (the default's SASS unchanged): the scale loads after the dots
+            xw = tl.load(xo + kt * 64 + xcol)  # [4c, 4t, 4jj] int32: 4 int8 x each
+            dx = tl.load(xd + kt)
+            w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
+            q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
+            qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
+            xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
+            if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
+                xw2 = tl.load(xo + xplane + kt * 64 + xcol)
+                qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
+                xv = _dot4(ones, xw2, xv * 254, DP4A)
+            qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
+            xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
+            s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
+            d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
+            dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
         acc += (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
             tl.float32
         )
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
-    out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
-    tl.store(out + n, acc * rw, mask=n < D)
+    if FIXUP:  # the k slots and S splits of row b are the "splits" of _split_fixup: [S k, B, D] partials
+        B = tl.num_programs(1) // n_slots
+        b = pair // n_slots
+        slot = pid_s * n_slots + pair % n_slots
+        off = b.to(tl.int64) * D + n[None, :]  # [1, BN]
+        tl.store(out_ptr + slot.to(tl.int64) * B * D + off, (acc * rw)[None, :], mask=(n < D)[None, :])
+        cnt = cnt_ptr + b * tl.num_programs(0) + pid_n
+        _split_fixup(out_ptr, sum_ptr, cnt, off, (n < D)[None, :], B, D, tl.num_programs(2) * n_slots, 1, BN)
+    else:
+        out = out_ptr + (pid_s.to(tl.int64) * tl.num_programs(1) + pair) * D
+        tl.store(out + n, acc * rw, mask=n < D)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -725,6 +807,7 @@ class MoeConfig:
     prefetch: bool = False  # int8 kernels: load super-block kt + 1 before computing kt (software pipelining)
     sign_math: bool = False  # int8 IQ2_XXS: sign byte masks computed in ALU ops instead of an L1 gather
     gather: bool = False  # int8 IQ2_XXS: table lookups via tl.gather (shared memory) instead of L1 gathers
+    fixup: bool = False  # int8 down: the sum over k slots / splits in the kernel (last program), no torch sum
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
@@ -886,11 +969,18 @@ def moe_down(
     if int8:
         xq, dx = quantize_q8k(mid, cfg.terms)
         w = wd.data
-        _q2k_q8k_down_kernel[grid](
-            xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F,
-            B * k * F // 4, per, BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), PREFETCH=cfg.prefetch,
-            num_warps=cfg.warps,
-        )  # fmt: skip
+        args = (xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F)
+        kw = dict(
+            BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), PREFETCH=cfg.prefetch, num_warps=cfg.warps
+        )
+        cnt = _split_counters(mid.device, B * grid[0]) if cfg.fixup else None
+        if cnt is not None:  # part's memory read as [S, k, B, D]; the kernel sums it into out
+            out = torch.empty(B, D, dtype=torch.float32, device=mid.device)
+            _q2k_q8k_down_kernel[grid](
+                *args, B * k * F // 4, per, **kw, FIXUP=True, sum_ptr=out, cnt_ptr=cnt, n_slots=k
+            )
+            return out
+        _q2k_q8k_down_kernel[grid](*args, B * k * F // 4, per, **kw)
     elif wd.qtype == GGMLType.Q2_K and cfg.fast:
         w = wd.data
         _q2k_down_kernel[grid](

@@ -1,7 +1,7 @@
 """Routed-expert decode kernels at Flash shapes: current (f32 dequant) vs integer (MoeConfig.int8), the latter
 with one activation plane (terms 1, plain Q8_K) and two (terms 2, + residual plane: the default).
 
-On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]          (~2 minutes)
+On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe.py [out_dir]          (~3 minutes, ~37 compiles)
               PYTHONPATH=. python3 tools/gpu/bench_moe.py --quick [out_dir]  (< 90 s: B = 1, 4; the int8
               default vs the session-4 variants (prefetch, sign_math, gather, k-splits); a verdict per B)
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe.py --compile-only     (sm_90 build, SASS per weight
@@ -53,7 +53,10 @@ def label(cfg: moe.MoeConfig) -> str:
     last: the per-terms summary groups on it)."""
     extra = (f" s{cfg.splits}" if cfg.splits > 1 else "") + (" pf" if cfg.prefetch else "")
     extra += (
-        (" math" if cfg.sign_math else "") + (" smem" if cfg.gather else "") + ("" if cfg.dp4a else " int32")
+        (" fix" if cfg.fixup else "")
+        + (" math" if cfg.sign_math else "")
+        + (" smem" if cfg.gather else "")
+        + ("" if cfg.dp4a else " int32")
     )
     return f"int8 bn{cfg.bn} w{cfg.warps}{extra} t{cfg.terms}"
 
@@ -95,6 +98,9 @@ DN_NEW = [
     _new(bn=32, splits=2, prefetch=True),
     _new(bn=64, splits=2, prefetch=True),
     _new(bn=64, warps=8, prefetch=True),
+    _new(bn=64, fixup=True),  # the k-slot sum in the kernel: one launch less
+    _new(bn=64, prefetch=True, fixup=True),
+    _new(bn=32, prefetch=True, fixup=True),
 ]
 _OLD_INT8_GU = [(8, 4, True, 2), (16, 4, True, 2), (32, 4, True, 2), (32, 8, True, 2), (16, 4, False, 2)] + [
     (16, 4, True, 1)
@@ -107,7 +113,7 @@ DOWN = [("current", replace(moe.DOWN, int8=False))] + _int8_variants(_OLD_INT8_D
 _GU_DEF, _DN_DEF = replace(moe.GATE_UP, int8=True), replace(moe.DOWN, int8=True)  # the engine's defaults
 # --quick: the variants most likely to win (each costs a JIT compile of ~2 s on the H200 machine)
 GU_QUICK = [0, 1, 2, 3, 5, 6, 11, 12]  # pf, math, smem, smem math, smem math pf, bn8 pf, w8 pf, w8 smem pf
-DN_QUICK = [0, 1, 3, 6]  # bn64 pf, bn32 pf, bn64 s2, bn64 w8 pf
+DN_QUICK = [0, 1, 3, 6, 7, 8]  # bn64 pf, bn32 pf, bn64 s2, bn64 w8 pf, bn64 fix, bn64 pf fix
 if QUICK:  # the int8 default first, then the new variants
     BATCHES = (1, 4)
     GU = [("default " + label(_GU_DEF), _GU_DEF)] + [(label(GU_NEW[i]), GU_NEW[i]) for i in GU_QUICK]
@@ -273,7 +279,7 @@ _CLASSES = {  # SASS base opcode -> class, for the per-weight breakdown of --com
 
 
 def _sass_loop(cubin: bytes) -> tuple[str, list[str]]:
-    """(register line, base opcodes of the innermost backward-branch loop)."""
+    """(register line, base opcodes of the longest backward-branch loop: the k loop)."""
     import re
     import subprocess
     import tempfile
@@ -299,7 +305,7 @@ def _sass_loop(cubin: bytes) -> tuple[str, list[str]]:
             loops.append((int(tgt.group(1), 16), addr))
     if not loops:
         return regs, []
-    lo, hi = min(loops, key=lambda ab: ab[1] - ab[0])
+    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0])  # the k loop (FIXUP adds a short split-sum loop)
     return regs, [op for addr, op, _ in ops if lo <= addr <= hi]
 
 
@@ -341,8 +347,12 @@ def _int8_runs(quick: bool) -> list[tuple]:
         weights = 2 * c.bn * 256
         runs.append((f"gu {label(c)}", moe._iq2_q8k_gate_up_kernel, gu_sig, consts, c.warps, weights))
     for c in dn:
-        consts = {"BN": c.bn, "TERMS": c.terms, "DP4A": c.dp4a, "PREFETCH": c.prefetch}
-        runs.append((f"dn {label(c)}", moe._q2k_q8k_down_kernel, dn_sig, consts, c.warps, c.bn * 256))
+        consts = {"BN": c.bn, "TERMS": c.terms, "DP4A": c.dp4a, "PREFETCH": c.prefetch, "FIXUP": c.fixup}
+        if c.fixup:
+            sig = dn_sig | {"sum_ptr": "*fp32", "cnt_ptr": "*i32", "n_slots": "i32"}
+        else:
+            sig, consts = dn_sig, consts | {"sum_ptr": None, "cnt_ptr": None, "n_slots": 1}
+        runs.append((f"dn {label(c)}", moe._q2k_q8k_down_kernel, sig, consts, c.warps, c.bn * 256))
     return runs
 
 
