@@ -751,10 +751,10 @@ def _q2k_q8k_down_kernel(
 # B <= 4 analysis (session 4; tools/gpu/bench_moe.py --compile-only: Triton 3.6, sm_90 SASS of the k loop).
 # Flash widths at B = 1: 6 pairs; gate+up 2 x 6 x 2048 x 4096 = 100.7 M IQ2_XXS weights (26 MB), down
 # 6 x 4096 x 2048 = 50.3 M Q2_K weights (16.5 MB); H200: 132 SMs, 64 warps / SM, ~4 TB/s.
-#   gate+up default (bn 16, 4 warps): 768 programs (5.8 / SM; 64 regs -> at most 8 resident, one wave of
-#     23 of 64 warps), 33.8 KB per program (2.1 KB per k step). Loop: 4.14 SASS per weight per thread (ld
-#     0.55, dp4a 0.50, int 2.14, fp 0.31; 8 BAR per step). Issue bound: 100.7 M x 4.14 / 32 = 13 M warp
-#     instructions / (132 x 4 per clock) = 12.5 us at 1.98 GHz (int pipe at half rate: ~16 us), yet 43.9 us
+#   gate+up default (bn 16, 4 warps): 768 programs (5.8 / SM; 72 regs -> at most 7 resident, one wave of
+#     23 of 64 warps), 33.8 KB per program (2.1 KB per k step). Loop: 4.02 SASS per weight per thread (ld
+#     0.55, dp4a 0.50, int 2.28, fp 0.31; 8 BAR per step). Issue bound: 100.7 M x 4.02 / 32 = 12.7 M warp
+#     instructions / (132 x 4 per clock) = 12 us at 1.98 GHz (int + dp4a at half rate: ~17 us), yet 43.9 us
 #     measured: NOT instruction-bound (the plain-int32 form runs 2.1x the instructions for 1.37x the time;
 #     one term, -15 % instructions, is 5 % faster). Per group of 8 weights a thread makes two divergent 8-byte
 #     global gathers (grid row from a 2 KB table, sign mask from 1 KB): a warp's gather touches ~14 of 16 /
@@ -763,17 +763,17 @@ def _q2k_q8k_down_kernel(
 #     measured time. Limit (an estimate, not profiled): L1 (LSU wavefront) throughput of the table gathers.
 #     Variants: `gather` (both tables via tl.gather from register copies, i.e. shared memory: only bank
 #     conflicts, ~3.5 wavefronts per 32 random 4-byte words, about half the L1 clocks; with sign_math the
-#     loop's LDG drop 31 -> 15 per thread and step), `sign_math` (no sign-mask lookup at all, +0.9 int op
-#     per weight).
+#     loop's LDG halve), `sign_math` (no sign-mask lookup at all, +0.9 int op per weight).
 #   down default (bn 64, 4 warps): 384 programs (2.9 / SM, 11.6 warps; 80 regs -> 6 resident), 43 KB per
-#     program (5.4 KB per k step, 8 steps). Loop: 3.73 per weight (ld 0.23, no gathers): issue bound ~6 us,
+#     program (5.4 KB per k step, 8 steps). Loop: 3.71 per weight (ld 0.23, no gathers): issue bound ~6 us,
 #     bandwidth 4 us, measured 26 us. Limit: latency / too few bytes in flight: ~16 KB per SM vs the ~30 KB
 #     that 4 TB/s x ~1 us loaded latency needs, and a program's loads wait for its previous step: the layout
 #     conversions of the step's math put BARs in the loop, and ptxas does not hoist loads above them (an
 #     unrolled 2-block step was compiled with block 2's LDGs after block 1's math). Plus the quantize and
-#     split-sum launches. Variants: `prefetch` (block kt + 1's loads issued at the top of step kt: all LDGs
-#     before the first BAR in the SASS; costs registers: 80 -> 127 for down bn 64, 64 -> 116 for gate+up
-#     bn 16, so fewer resident programs; 8 warps halve that per thread), k-splits, smaller tiles.
+#     k-slot sum launches. Variants: `prefetch` (block kt + 1's loads issued at the top of step kt: all
+#     LDGs before the first BAR in the SASS; costs registers: 80 -> 127 for down bn 64, 72 -> 116 for
+#     gate+up bn 16, so fewer resident programs; 8 warps halve that per thread), `fixup` (the k-slot sum in
+#     the kernel: one launch less), k-splits, smaller tiles.
 #   B = 4: 24 pairs, 4x the programs and the same per-program shape: gate+up stays gather-bound (the same
 #     variants apply); down has 4x the programs, so prefetch matters less there.
 # Expected (not measured): gate+up 44 -> ~20-25 us if the L1 estimate holds (then issue-bound), down 26 ->
