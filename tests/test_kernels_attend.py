@@ -20,7 +20,7 @@ from _kernel_env import DEVICE
 from ds4.kernels import attend
 from ds4.model.cuda import batch
 
-HUGE = 1e20  # what invisible rows hold (finite: the f64 oracle multiplies them by exact zeros)
+HUGE = 2.0**66  # what invisible rows hold (finite: the f64 oracle multiplies them by exact zeros; bf16-exact)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -141,11 +141,21 @@ def test_attend_decode_bad_input() -> None:
 # indexer_scores
 
 
-def _index_case(B, Hi, Di, S, cap, counts, seed):
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # FP4 magnitudes (model.md §7)
+
+
+def _qat_like(shape, g: torch.Generator) -> torch.Tensor:
+    """Values on the indexer QAT grid: +-E2M1 magnitude x a power of two (what the model feeds the kernel)."""
+    mag = E2M1[torch.randint(0, 8, shape, generator=g)]
+    sign = torch.randint(0, 2, shape, generator=g) * 2.0 - 1.0
+    return sign * mag * torch.exp2(torch.randint(-6, 3, shape, generator=g).float())
+
+
+def _index_case(B, Hi, Di, S, cap, counts, seed, qat: bool = True):
     g = _gen(seed)
-    qi = torch.randn(B, Hi, Di, generator=g)
+    qi = _qat_like((B, Hi, Di), g) if qat else torch.randn(B, Hi, Di, generator=g)
     wts = torch.randn(B, Hi, generator=g)
-    rows = torch.randn(S, cap, Di, generator=g)
+    rows = _qat_like((S, cap, Di), g) if qat else torch.randn(S, cap, Di, generator=g)
     slot = torch.arange(B) % S
     count = torch.tensor(counts, dtype=torch.long)
     for b in range(B):  # rows past the count: huge, must not leak into the visible scores
@@ -179,6 +189,26 @@ def test_indexer_scores_tiny(counts) -> None:
 
 def test_indexer_scores_odd_heads() -> None:
     _check_index(_index_case(2, 3, 20, 3, 45, [45, 17], seed=9))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_indexer_scores_any_values(bf16: bool, monkeypatch) -> None:
+    """Off the QAT grid: f32 operands (INDEX_BF16 off) match the f64 oracle; bf16 operands match the oracle
+    of bf16-rounded operands (and so the twin), not the raw one."""
+    monkeypatch.setattr(attend, "INDEX_BF16", bf16)
+    args = _index_case(2, 4, 32, 2, 40, [40, 23], seed=5, qat=False)
+    if not bf16:
+        _check_index(args)
+        return
+    qi, wts, rows, slot, count = args
+    rounded = (qi.bfloat16().float(), wts, rows.bfloat16().float(), slot, count)
+    got = attend.indexer_scores(*(a.to(DEVICE) for a in args)).cpu()
+    fin = torch.isfinite(got)
+    want = _index_oracle(*rounded)[fin]
+    assert _max_rel(attend.indexer_scores_ref(*args)[fin], want) < 1e-5
+    assert _max_rel(_index_oracle(*args)[fin], want) > 1e-4  # the rounding is real on these values
+    # the GPU casts f32 -> bf16 to nearest even like torch; the interpreter truncates (one bf16 step)
+    assert _max_rel(got[fin], want) < (1e-5 if DEVICE == "cuda" else 2e-2)
 
 
 # ---------------------------------------------------------------------------------------------------------
