@@ -8,7 +8,11 @@ no host sync) and one program takes an (expert run, output-row tile): up to PT p
 each super-block once and applying it to every pair's quantized activations (the same two-term Q8_K planes,
 moe.quantize_q8k, and integer dots as the int8 kernels, so the results equal moe.moe_gate_up / moe_down up
 to f32 rounding: gate/up sums the 4 groups of a sub-block as integers before scaling, one f32 multiply-add
-per 32 weights instead of per 8, ~15 % fewer instructions per pair; down is op for op the pair kernel's).
+per 32 weights instead of per 8; down sums a whole super-block as integers as ref.q8k_matvec_row does, with
+the min term's activation sums per 16 values precomputed once per pair row (_group_sums), all in [BN, 4]
+tensors: no per-pair reductions or layout conversions. sm_90 k-loop instructions at bn 32 (H200 untimed):
+down 161 for one pair + ~130 per further pair (the pair kernel's structure: 271 + ~198); gate/up bn 16
+238 + ~80 (pair kernel 257 per pair).
 
 Static grid for CUDA graphs: programs over (output tile, sorted pair position p); p leads a chunk when
 (p - start of its expert's run) % PT == 0 and handles pairs p .. min(p + PT, end of run) - 1; other programs
@@ -189,52 +193,58 @@ def _gate_up_grouped_kernel(
 
 
 @triton.jit
-def _q2k_pair(
-    q,
-    s8,
-    d,
-    dmin,
-    xw_ptr,
-    dx_ptr,
-    pidx,
-    kt,
-    nb,
-    xrow,
-    xplane,
-    xcol,
-    ones,
-    TERMS: tl.constexpr,
-    DP4A: tl.constexpr,
-):
-    """[BN, 4c, 4t] f32 partials of one pair (quantized mid row pidx: xw int32 words at pidx * xrow) on a
-    decoded Q2_K super-block (q [BN, 4c, 4t, 4jj] quant bytes, s8 [BN, 4c, 4t] scale bytes, d / dmin
-    [BN, 1, 1]), as moe._q2k_q8k_down_kernel."""
-    xo = xw_ptr + pidx * xrow + kt * 64 + xcol
-    xw = tl.load(xo)  # [4c, 4t, 4jj] int32: 4 int8 x each
-    qv = _dot4(q, xw[None, :, :, :], 0, DP4A)
-    xv = _dot4(ones, xw, 0, DP4A)
-    if TERMS == 2:
-        xw2 = tl.load(xo + xplane)
-        qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
-        xv = _dot4(ones, xw2, xv * 254, DP4A)
-    qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sums of 16 q v
-    xs = tl.sum(xv, axis=2)  # [4c, 4t] sums of 16 v
-    dx = tl.load(dx_ptr + pidx * nb + kt)
-    return (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
-        tl.float32
-    )
+def _split4(v):
+    """[..., 4] -> 4 tensors [...]: the last dim's entries in the order 0, 2, 1, 3 (any fixed order serves:
+    weights and activations are split alike). Free in registers when the last dim is within a thread."""
+    even, odd = tl.split(tl.reshape(v, v.shape[:-1] + (2, 2)))
+    a, b = tl.split(even)
+    c, d = tl.split(odd)
+    return a, b, c, d
+
+
+@triton.jit
+def _pick(t: tl.constexpr, a, b, c, d):
+    """The t-th of a, b, c, d (t a compile-time constant)."""
+    if t == 0:
+        return a
+    elif t == 1:
+        return b
+    elif t == 2:
+        return c
+    else:
+        return d
+
+
+@triton.jit
+def _dot16(q0, q1, q2, q3, xo, DP4A: tl.constexpr):
+    """[BN, 4c] int32: the 4 quant words q0..q3 [BN, 4c] dotted with the 4 x words at xo [1, 4c, 4jj] (split
+    alike), one dp4a chain: sum of 16 q v."""
+    x0, x1, x2, x3 = _split4(tl.load(xo))
+    return _dot4(q3, x3, _dot4(q2, x2, _dot4(q1, x1, _dot4(q0, x0, 0, DP4A), DP4A), DP4A), DP4A)
+
+
+@triton.jit
+def _q2k_shift(q0, q1, q2, q3, s8, xo, xso, xplane, ii, mm, TERMS: tl.constexpr, DP4A: tl.constexpr):
+    """One pair's integer sums of one 2-bit shift of a Q2_K super-block: (ii + sc sum_16 q v, mm + m sum_16 v)
+    [BN, 4c] for the shifted quant words q0..q3 [BN, 4c], scale bytes s8 [BN, 4c], the pair's x words at xo
+    ([1, 4c, 4jj]) and its precomputed group sums of v at xso ([1, 4c])."""
+    v = _dot16(q0, q1, q2, q3, xo, DP4A)
+    if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
+        v = v * 254 + _dot16(q0, q1, q2, q3, xo + xplane, DP4A)
+    return ii + (s8 & 15) * v, mm + (s8 >> 4) * tl.load(xso)
 
 
 @triton.jit
 def _dn_store(out_ptr, rw_ptr, pidx, acc, n, D, ok):
-    """Down output row pidx [D] = weights[pidx] * the row sums of the [BN, 4, 4] partials (where ok)."""
+    """Down output row pidx [D] = weights[pidx] * the row sums of the [BN, 4] partials (where ok)."""
     rw = tl.load(rw_ptr + pidx).to(tl.float32)
-    tl.store(out_ptr + pidx * D + n, tl.sum(tl.sum(acc, axis=2), axis=1) * rw, mask=(n < D) & ok)
+    tl.store(out_ptr + pidx * D + n, tl.sum(acc, axis=1) * rw, mask=(n < D) & ok)
 
 
 @triton.jit
 def _down_grouped_kernel(
     xw_ptr,
+    xs_ptr,
     dx_ptr,
     qw,
     sc,
@@ -255,54 +265,79 @@ def _down_grouped_kernel(
     DP4A: tl.constexpr,
 ):
     """Q2_K down projection of up to PT pairs of one expert on their quantized mid rows (xw [TERMS, P, F/4]
-    int32 words, planes xplane words apart; dx [P, F/256]) -> out [P, D] (flat pair index) = weights[pair]
-    * Wd[e] @ mid[pair]; zeros for the sentinel expert. Quant word layout: moe._q2k_q8k_down_kernel."""
+    int32 words, planes xplane words apart; xs [P, F/16] int32 sums of the 16 v of each group; dx [P, F/256])
+    -> out [P, D] (flat pair index) = weights[pair] * Wd[e] @ mid[pair]; zeros for the sentinel expert.
+
+    Quant word 4c + jj of a super-block (c = 16-byte group: half c // 2, byte group c % 2) shifted by 2t holds
+    elements 128 (c // 2) + 32 t + 16 (c % 2) + 4 jj + 0..3: group 8 (c // 2) + 2 t + c % 2 of 16 elements,
+    whose scale byte has the same index (moe._q2k_q8k_down_kernel). Per pair and super-block the integer sums
+    I = sum sc sum q v and M = sum m sum v are exact (|.| <= 4 * 15 * 16 * 3 * 32385 < 2^31) and scaled once:
+    y += d dx I - dmin dx M, as ref.q8k_matvec_row. Everything is [BN, 4c]: no per-pair reductions."""
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, PT)
     n = pid_n * BN + tl.arange(0, BN)
     wrow = e * D + tl.minimum(n, D - 1)
     nb = F // 256
-    xrow = F // 4
     c = tl.arange(0, 4)
-    t = tl.arange(0, 4)
     jj = tl.arange(0, 4)
-    xcol = (
-        (c // 2)[:, None, None] * 32 + t[None, :, None] * 8 + (c % 2)[:, None, None] * 4 + jj[None, None, :]
-    )
-    sidx = (c // 2)[:, None] * 8 + 2 * t[None, :] + (c % 2)[:, None]  # [4c, 4t]
-    qidx = c[:, None] * 4 + jj[None, :]  # [4c, 4jj]
-    ones = tl.full([4, 4, 4], 0x01010101, tl.int32)
+    qoff = (c[:, None] * 4 + jj[None, :])[None, :, :]  # [1, 4c, 4jj] quant word
+    cx = tl.multiple_of((c // 2) * 32 + (c % 2) * 4, 4)  # 4 contiguous x words per c: one 16-byte load
+    xoff = (cx[:, None] + jj[None, :])[None, :, :]  # [1, 4c, 4jj] x word at t = 0
+    xr = tl.multiple_of(F // 4, 64)  # x words per pair row
+    soff = (c // 2) * 8 + c % 2  # [4c] scale byte / group at t = 0 (+ 2 t)
+    soff3 = (soff[:, None] + 2 * tl.arange(0, 4)[None, :])[None, :, :]  # [1, 4c, 4t]
     p0 = _pair_index(order_ptr, p, 0, n_pairs)
     p1 = _pair_index(order_ptr, p, 1, n_pairs)
     p2 = _pair_index(order_ptr, p, 2, n_pairs)
     p3 = _pair_index(order_ptr, p, 3, n_pairs)
-    a0 = tl.zeros([BN, 4, 4], dtype=tl.float32)  # per (row, group of 16) partials of pair i
-    a1 = tl.zeros([BN, 4, 4], dtype=tl.float32)
-    a2 = tl.zeros([BN, 4, 4], dtype=tl.float32)
-    a3 = tl.zeros([BN, 4, 4], dtype=tl.float32)
+    x0 = xw_ptr + p0 * xr + xoff  # pair i's x words [1, 4c, 4jj] and group sums [1, 4c] at kt = t = 0
+    x1 = xw_ptr + p1 * xr + xoff
+    x2 = xw_ptr + p2 * xr + xoff
+    x3 = xw_ptr + p3 * xr + xoff
+    z0 = xs_ptr + p0 * (F // 16) + soff[None, :]
+    z1 = xs_ptr + p1 * (F // 16) + soff[None, :]
+    z2 = xs_ptr + p2 * (F // 16) + soff[None, :]
+    z3 = xs_ptr + p3 * (F // 16) + soff[None, :]
+    a0 = tl.zeros([BN, 4], dtype=tl.float32)  # per (row, 16-byte group) partials of pair i
+    a1 = tl.zeros([BN, 4], dtype=tl.float32)
+    a2 = tl.zeros([BN, 4], dtype=tl.float32)
+    a3 = tl.zeros([BN, 4], dtype=tl.float32)
     for kt in range(0, tl.where(live, nb, 0)):
-        w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
-        q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
-        s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
-        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
-        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
-        a0 += _q2k_pair(q, s8, d, dmin, xw_ptr, dx_ptr, p0, kt, nb, xrow, xplane, xcol, ones, TERMS, DP4A)
+        w0, w1, w2, w3 = _split4(tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qoff))  # [BN, 4c]
+        # scale bytes [BN, 4c, 4t] loaded and split like the quant words (one layout for both): t = 0, 2, 1, 3
+        s0, s2, s1, s3 = _split4(tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + soff3).to(tl.int32))
+        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None]
+        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None]
+        kx = kt * 64  # x words / group sums of super-block kt
+        kz = kt * 16
+        i0 = tl.zeros([BN, 4], dtype=tl.int32)
+        m0 = tl.zeros([BN, 4], dtype=tl.int32)
+        i1, m1, i2, m2, i3, m3 = i0, m0, i0, m0, i0, m0
+        for t in tl.static_range(4):
+            s8 = _pick(t, s0, s1, s2, s3)
+            q0 = (w0 >> (2 * t)) & 0x03030303
+            q1 = (w1 >> (2 * t)) & 0x03030303
+            q2 = (w2 >> (2 * t)) & 0x03030303
+            q3 = (w3 >> (2 * t)) & 0x03030303
+            ox, oz = kx + 8 * t, kz + 2 * t
+            i0, m0 = _q2k_shift(q0, q1, q2, q3, s8, x0 + ox, z0 + oz, xplane, i0, m0, TERMS, DP4A)
+            if PT > 1:
+                if cnt > 1:
+                    i1, m1 = _q2k_shift(q0, q1, q2, q3, s8, x1 + ox, z1 + oz, xplane, i1, m1, TERMS, DP4A)
+            if PT > 2:
+                if cnt > 2:
+                    i2, m2 = _q2k_shift(q0, q1, q2, q3, s8, x2 + ox, z2 + oz, xplane, i2, m2, TERMS, DP4A)
+            if PT > 3:
+                if cnt > 3:
+                    i3, m3 = _q2k_shift(q0, q1, q2, q3, s8, x3 + ox, z3 + oz, xplane, i3, m3, TERMS, DP4A)
+        a0 = _q2k_scale(a0, i0, m0, d, dmin, dx_ptr, p0, kt, nb)
         if PT > 1:
-            if cnt > 1:
-                a1 += _q2k_pair(
-                    q, s8, d, dmin, xw_ptr, dx_ptr, p1, kt, nb, xrow, xplane, xcol, ones, TERMS, DP4A
-                )
+            a1 = _q2k_scale(a1, i1, m1, d, dmin, dx_ptr, p1, kt, nb)
         if PT > 2:
-            if cnt > 2:
-                a2 += _q2k_pair(
-                    q, s8, d, dmin, xw_ptr, dx_ptr, p2, kt, nb, xrow, xplane, xcol, ones, TERMS, DP4A
-                )
+            a2 = _q2k_scale(a2, i2, m2, d, dmin, dx_ptr, p2, kt, nb)
         if PT > 3:
-            if cnt > 3:
-                a3 += _q2k_pair(
-                    q, s8, d, dmin, xw_ptr, dx_ptr, p3, kt, nb, xrow, xplane, xcol, ones, TERMS, DP4A
-                )
+            a3 = _q2k_scale(a3, i3, m3, d, dmin, dx_ptr, p3, kt, nb)
     _dn_store(out_ptr, rw_ptr, p0, a0, n, D, cnt > 0)
     if PT > 1:
         _dn_store(out_ptr, rw_ptr, p1, a1, n, D, cnt > 1)
@@ -310,6 +345,13 @@ def _down_grouped_kernel(
         _dn_store(out_ptr, rw_ptr, p2, a2, n, D, cnt > 2)
     if PT > 3:
         _dn_store(out_ptr, rw_ptr, p3, a3, n, D, cnt > 3)
+
+
+@triton.jit
+def _q2k_scale(acc, ii, mm, d, dmin, dx_ptr, pidx, kt, nb):
+    """acc + d dx I - dmin dx M for one pair's integer sums of super-block kt (unused pairs: I = M = 0)."""
+    dx = tl.load(dx_ptr + pidx * nb + kt)
+    return acc + (d * dx) * ii.to(tl.float32) - (dmin * dx) * mm.to(tl.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -431,6 +473,15 @@ def moe_gate_up_grouped(
     return out
 
 
+def _group_sums(xq: torch.Tensor) -> torch.Tensor:
+    """Quantized rows (planes xq int8 [T, R, F]) -> [R, F/16] int32 sums of the activation integers v
+    (254 q1 + q2 for T = 2) per group of 16: the min term of Q2_K (sum_16 v), the same for all weight rows."""
+    v = xq[0].to(torch.int32)
+    if xq.shape[0] == 2:
+        v = v * 254 + xq[1].to(torch.int32)
+    return v.view(v.shape[0], -1, 16).sum(-1, dtype=torch.int32)
+
+
 def moe_down_grouped(
     mid: torch.Tensor,
     weights: torch.Tensor,
@@ -474,10 +525,11 @@ def moe_down_grouped(
     runs = runs or expert_runs(ids, E)
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped")
     xq, dx = quantize_q8k(mid, cfg.terms)
+    xs = _group_sums(xq)
     part = torch.empty(B, k, D, dtype=torch.float32, device=mid.device)  # per-pair outputs, all written
     w = wd.data
     _down_grouped_kernel[(triton.cdiv(D, cfg.bn_dn), B * k)](
-        xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], runs.order, runs.eid,
+        xq.view(torch.int32), xs, dx, w["qs"].view(torch.int32), w["sc"], w["dm"], runs.order, runs.eid,
         runs.offsets, weights.float().contiguous(), part, B * k, E, D, F, B * k * F // 4,
         BN=cfg.bn_dn, PT=cfg.pairs, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
     )  # fmt: skip

@@ -53,7 +53,7 @@ GU_VARIANTS = [
 DN_VARIANTS = [
     GroupedConfig(bn_dn=32, pairs=4),
     GroupedConfig(bn_dn=64, pairs=4),
-    GroupedConfig(bn_dn=16, pairs=4),
+    GroupedConfig(bn_dn=128, pairs=4),
     GroupedConfig(bn_dn=64, pairs=2),
 ]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
@@ -246,6 +246,7 @@ _GU_SIG = {
 }
 _DN_SIG = {
     "xw_ptr": "*i32",
+    "xs_ptr": "*i32",
     "dx_ptr": "*fp32",
     "qw": "*i32",
     "sc": "*u8",
@@ -315,7 +316,7 @@ def compile_only() -> None:
             runs.append(
                 (f"gu bn{bn} pt{pt} w{w} t{t}", moe_grouped._gate_up_grouped_kernel, _GU_SIG, consts, w)
             )
-    for bn, pt, w in ((16, 4, 4), (32, 4, 4), (64, 4, 4), (64, 2, 4)):
+    for bn, pt, w in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (64, 2, 4)):
         for t in (2, 1):
             consts = {"BN": bn, "PT": pt, "TERMS": t, "DP4A": True}
             runs.append((f"dn bn{bn} pt{pt} w{w} t{t}", moe_grouped._down_grouped_kernel, _DN_SIG, consts, w))
