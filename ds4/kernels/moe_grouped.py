@@ -12,7 +12,7 @@ per 32 weights instead of per 8; down sums a whole super-block as integers as re
 the min term's activation sums per 16 values precomputed once per pair row (_group_sums), all in [BN, 4]
 tensors: no per-pair reductions or layout conversions. sm_90 k-loop instructions at bn 32 (H200 untimed):
 down 161 for one pair + ~130 per further pair (the pair kernel's structure: 271 + ~198); gate/up bn 16
-238 + ~80 (pair kernel 257 per pair).
+228 + ~75, no barrier in the loop (moe.py's pair kernel: 257 per pair, 4 layout conversions per block).
 
 Static grid for CUDA graphs: programs over (output tile, sorted pair position p); p leads a chunk when
 (p - start of its expert's run) % PT == 0 and handles pairs p .. min(p + PT, end of run) - 1; other programs
@@ -48,21 +48,24 @@ MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up 
 
 @triton.jit
 def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb):
-    """IQ2_XXS super-block kt of rows wrow [BN], decoded once: (wlo, whi [BN, 8, 4] int32 signed grid bytes
-    of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8, 4] int32 = 2 ls + 1, d [BN] f32), as moe.py's
-    _iq2_q8k_block decodes them."""
+    """IQ2_XXS super-block kt of rows wrow [BN] (sg: the sub-block words as bytes), decoded once: (wlo, whi
+    [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8, 4] int32 =
+    2 ls + 1, d [BN] f32), as moe.py's _iq2_q8k_block decodes them."""
     sb = tl.arange(0, 8)[None, :, None]
     lg = tl.arange(0, 4)[None, None, :]
     w3 = wrow[:, None, None]
     idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)  # [BN, 8, 4] u8 grid index
-    a1 = tl.load(sg + w3 * (nb * 8) + kt * 8 + sb)  # [BN, 8, 1] int32 sub-block word
+    # [BN, 8, 1] int32 sub-block word, from its 4 bytes (sg as bytes): loaded in the grid indices' shape and
+    # summed within a thread (lg is), where an int32 [BN, 8, 1] load took a layout of its own and two
+    # shared-memory conversions per block (barriers) on sm_90
+    a1b = tl.load(sg + (w3 * (nb * 8) + kt * 8 + sb) * 4 + lg).to(tl.int32)  # [BN, 8, 4] bytes lg
+    a1 = tl.sum(a1b << (8 * lg), axis=2)[:, :, None]
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)
     row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows
     m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # byte masks of the sign patterns
     wlo = _negate_bytes(row.to(tl.int32), m.to(tl.int32))
     whi = _negate_bytes((row >> 32).to(tl.int32), (m >> 32).to(tl.int32))
-    # the scale as [BN, 8, 4], the dots' shape: its layout conversion is made once per block, not per pair
-    ls = 2 * ((tl.broadcast_to(a1, (a1.shape[0], 8, 4)) >> 28) & 15) + 1
+    ls = 2 * ((tl.broadcast_to(a1, (a1.shape[0], 8, 4)) >> 28) & 15) + 1  # [BN, 8, 4] as the dots
     return wlo, whi, ls, d
 
 
@@ -464,8 +467,9 @@ def moe_gate_up_grouped(
     runs = runs or expert_runs(ids, E)
     xq, dx = quantize_q8k(x, cfg.terms)
     g, u = wg.data, wu.data
+    gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
     _gate_up_grouped_kernel[(triton.cdiv(F, cfg.bn_gu), B * k)](
-        xq.view(torch.int64), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"],
+        xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"],
         iq2xxs_grid_i64(x.device), _iq2_sign_masks(x.device), runs.order, runs.eid, runs.offsets, out,
         k, B * k, E, F, K, B * K // 8, float(clamp),
         BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg), num_warps=cfg.warps,
