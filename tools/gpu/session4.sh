@@ -7,6 +7,8 @@
 #   part f: (final) the new kernels' GPU tests (decode indexer bf16, Q8_0 fixup, grouped experts, prefill
 #           indexer), the whole model vs the CPU reference, the grouped-expert bench, the ds4-bench sweep
 #           2k -> 8k, batched decode B = 1 / 32 at 8k (check at B = 8 first);
+#   part g: the new kernels' GPU tests + the whole model vs the CPU reference, then the grouped-expert and
+#           B <= 4 expert-variant benches (to set defaults before part f's end-to-end numbers);
 #   part t: the kernel + whole-model GPU tests, then decode tok/s at 2k/64k (tools/gpu/quick_decode.py).
 # Needs .gpu/shared carried (fixtures + bench text). Logs land in $OUT.  Usage: bash tools/gpu/session4.sh x|t
 export PYTHONPATH=. PYTHONUNBUFFERED=1 DS4_SHARED=$PWD/.gpu/shared DS4_TEST_CACHE=/tmp/ds4-cache
@@ -39,6 +41,13 @@ elif [ "$1" = y ]; then
   TAIL=30 run q8 90 python3 tools/gpu/bench_q8.py
   TAIL=20 run pidx 60 python3 tools/gpu/bench_indexer_prefill.py
   TAIL=75 run profile "$(left)" python3 tools/gpu/profile_regions.py 8192
+elif [ "$1" = g ]; then
+  TAIL=10 run ktests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py \
+    tests/test_kernels_quant.py tests/test_kernels_moe_grouped.py tests/test_kernels_indexer_prefill.py \
+    tests/test_kernels_moe.py -k "indexer or fixup or flash or graph or grouped or pair or variants"
+  TAIL=8 run model 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py
+  TAIL=30 run mgroup 60 python3 tools/gpu/bench_moe_grouped.py "$OUT"
+  TAIL=30 run moe1 "$(left)" python3 tools/gpu/bench_moe.py --quick "$OUT"
 elif [ "$1" = f ]; then
   TAIL=8 run ktests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py \
     tests/test_kernels_quant.py tests/test_kernels_moe_grouped.py tests/test_kernels_indexer_prefill.py \
