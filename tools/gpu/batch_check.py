@@ -36,7 +36,8 @@ from ds4.model.cuda.model import BatchRunner, bucket_of  # noqa: E402
 from ds4.model.cuda.state import session_nbytes  # noqa: E402
 
 REL_TOL = 2e-2
-CHECK_LENGTHS = [2100, 700, 125, 5, 1500, 2600, 64, 1027]  # positions of the 8 check sessions
+# positions of the check sessions (8, then 8 more for B = 16: the grouped-by-expert kernels' threshold)
+CHECK_LENGTHS = [2100, 700, 125, 5, 1500, 2600, 64, 1027, 333, 2049, 17, 900, 1200, 260, 2300, 129]
 
 
 def sync() -> None:
@@ -109,7 +110,7 @@ def check(batches: list[str], steps: int) -> bool:
     return ok
 
 
-def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None:
+def time_batches(batches: list[int], ctx: int, steps: int, repeats: int, plain: bool = False) -> None:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = synthetic_model("q2")
@@ -129,8 +130,9 @@ def time_batches(batches: list[int], ctx: int, steps: int, repeats: int) -> None
     rows = [(1, False, "")] if 1 in batches else []  # single-state graph
     rows += [(1, True, "")] if 1 in batches else []  # the batched code at bucket 1
     rows += [(b, False, "") for b in batches if b != 1]
-    rows += [(b, False, "g") for b in batches if b >= 8]  # routed experts as grouped GEMMs
-    rows += [(b, False, "q") for b in batches if b > 8]  # packed matvec (bf16 activations) above 8 rows
+    if not plain:  # the alternative paths (--plain: the defaults only)
+        rows += [(b, False, "g") for b in batches if b >= 8]  # routed experts as grouped GEMMs
+        rows += [(b, False, "q") for b in batches if b > 8]  # packed matvec (bf16 activations) above 8 rows
     for B, bucket1, mode in rows:
         states = pool[:B]
         set_grouped(mode == "g", kv, bucket_of(max(batches)) if mode == "q" else 0)
@@ -198,6 +200,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--plain", action="store_true", help="time the default paths only")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--no-roundtrips", action="store_true", help="FP8/FP4 round trips off")
     a = p.parse_args()
@@ -213,7 +216,7 @@ def main() -> int:
     if not a.skip_check:
         ok = check(a.check_batches.split(","), a.check_steps)
     if not a.skip_time:
-        time_batches([int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.repeats)
+        time_batches([int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.repeats, a.plain)
     print("batch_check:", "all checks ok" if ok else "CHECK FAILED")
     return 0 if ok else 1
 

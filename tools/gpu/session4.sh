@@ -4,9 +4,8 @@
 #           2), then as much of the kernel + whole-model GPU tests as the call's time leaves;
 #   part y: (nvidia-h200-x2) the expert-parallel check again after the per-slot combine, the Q8_0 split-K
 #           fixup and prefill indexer kernel tests + benches, then where decode / 8k prefill time goes;
-#   part f: (final) the new kernels' GPU tests (decode indexer bf16, Q8_0 fixup, grouped experts, prefill
-#           indexer), the whole model vs the CPU reference, the grouped-expert bench, the ds4-bench sweep
-#           2k -> 8k, batched decode B = 1 / 32 at 8k (check at B = 8 first);
+#   part f: (final) the 4-layer Flash-width model vs the CPU reference (the rest of test_cuda_backend passed
+#           in part g), the ds4-bench sweep 2k -> 8k, batched decode B = 1 / 32 at 8k (checks at B = 8, 16);
 #   part g: the new kernels' GPU tests + the whole model vs the CPU reference, then the grouped-expert and
 #           B <= 4 expert-variant benches (to set defaults before part f's end-to-end numbers);
 #   part t: the kernel + whole-model GPU tests, then decode tok/s at 2k/64k (tools/gpu/quick_decode.py).
@@ -49,15 +48,12 @@ elif [ "$1" = g ]; then
   TAIL=30 run mgroup 60 python3 tools/gpu/bench_moe_grouped.py "$OUT"
   TAIL=30 run moe1 "$(left)" python3 tools/gpu/bench_moe.py --quick "$OUT"
 elif [ "$1" = f ]; then
-  TAIL=8 run ktests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py \
-    tests/test_kernels_quant.py tests/test_kernels_moe_grouped.py tests/test_kernels_indexer_prefill.py \
-    -k "indexer or fixup or flash or graph or grouped or pair"
-  TAIL=8 run model 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py
-  TAIL=24 run mgroup 60 python3 tools/gpu/bench_moe_grouped.py
+  TAIL=8 run model 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
+    -k flash_width
   TAIL=8 run sweep 110 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 --step-mul 4 \
     -n 64 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
-  TAIL=24 run batch "$(left)" python3 tools/gpu/batch_check.py --batches 1,32 --check-batches 8 \
-    --check-steps 4 --repeats 2
+  TAIL=24 run batch "$(left)" python3 tools/gpu/batch_check.py --batches 1,32 --check-batches 8,16 \
+    --check-steps 4 --repeats 2 --plain
 else
   TAIL=12 run tests 360 python3 -m pytest -q -p no:cacheprovider -p no:warnings $TESTS
   run decode "$(left)" python3 tools/gpu/quick_decode.py q2
