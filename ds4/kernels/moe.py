@@ -566,41 +566,13 @@ def _iq2_q8k_gate_up_kernel(
             ui_n, ua_n, ud_n = _iq2_load(uq, us, ud, wrow, kn, nb)
             xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n = _x_load(xo, xplane, xd, kn, nb, xg, TERMS)
             acc_g += _iq2_q8k_dot(
-                gi,
-                ga,
-                gdd,
-                tab64,
-                ksm,
-                xlo,
-                xhi,
-                x2lo,
-                x2hi,
-                dx,
-                tab_r,
-                ksm_r,
-                TERMS,
-                DP4A,
-                SIGN_MATH,
+                gi, ga, gdd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH,
                 GATHER,
-            )
+            )  # fmt: skip
             acc_u += _iq2_q8k_dot(
-                ui,
-                ua,
-                udd,
-                tab64,
-                ksm,
-                xlo,
-                xhi,
-                x2lo,
-                x2hi,
-                dx,
-                tab_r,
-                ksm_r,
-                TERMS,
-                DP4A,
-                SIGN_MATH,
+                ui, ua, udd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH,
                 GATHER,
-            )
+            )  # fmt: skip
         else:  # the session-3 op order (the default's SASS unchanged): x, then gate's block, then up's
             xlo, xhi, x2lo, x2hi, dx = _x_load(xo, xplane, xd, kt, nb, xg, TERMS)
             acc_g += _iq2_q8k_block(
