@@ -10,9 +10,11 @@ moe.quantize_q8k, and integer dots as the int8 kernels, so the results equal moe
 to f32 rounding: gate/up sums the 4 groups of a sub-block as integers before scaling, one f32 multiply-add
 per 32 weights instead of per 8; down sums a whole super-block as integers as ref.q8k_matvec_row does, with
 the min term's activation sums per 16 values precomputed once per pair row (_group_sums), all in [BN, 4]
-tensors: no per-pair reductions or layout conversions. sm_90 k-loop instructions at bn 32 (H200 untimed):
+tensors: no per-pair reductions or layout conversions. sm_90 k-loop instructions at bn 32:
 down 161 for one pair + ~130 per further pair (the pair kernel's structure: 271 + ~198); gate/up bn 16
 228 + ~75, no barrier in the loop (moe.py's pair kernel: 257 per pair, 4 layout conversions per block).
+H200 (tools/gpu/bench_moe_grouped.py, per layer, vs the pair kernels): B = 32 1,330 vs 1,605 us, B = 16
+779 vs 816, B = 8 440 vs 421 (batch.MOE_GROUPED_MIN_ROWS = 16 from that).
 
 Static grid for CUDA graphs: programs over (output tile, sorted pair position p); p leads a chunk when
 (p - start of its expert's run) % PT == 0 and handles pairs p .. min(p + PT, end of run) - 1; other programs

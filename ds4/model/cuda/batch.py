@@ -24,7 +24,7 @@ from ds4 import dist
 from ds4.kernels import ref as kernel_ref
 from ds4.model.attention import AttentionShape, CompressorWeights
 from ds4.model.cuda import fused
-from ds4.model.cuda.experts import local_slots, routed_decode, swiglu_mid
+from ds4.model.cuda.experts import combine_slots, local_slots, routed_decode, swiglu_mid
 from ds4.model.cuda.layer import (
     DECODE_ROWS,
     _top_rows,
@@ -203,13 +203,13 @@ def _routed_int8_grouped(xf, ids, weights, m, clamp):
     """The int8 kernels grouped by expert: xf [B, d], ids/weights [B, k] -> [B, d]. Expert parallel: the
     stacks hold this rank's E/N experts; other ranks' ids fall outside [0, E/N) and add nothing (the kernels'
     sentinel run). The per-slot terms [B, k, d] are summed over the ranks, then over the slots in fixed order
-    (each term is made on one rank: bit-exact to one GPU, as experts.combine_slots)."""
+    (experts.combine_slots: each term is made on one rank, so bit-exact to one GPU)."""
     n_local = m.gate_exps.shape[0]
     local = ids - dist.rank() * n_local if dist.active() else ids
     per_slot = kgrouped.moe_routed_grouped(
         xf, local, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, per_slot=True
     )
-    return dist.all_reduce_(per_slot).sum(1)
+    return combine_slots(per_slot)
 
 
 def _routed_grouped(xf, ids, weights, m, clamp):
@@ -227,7 +227,7 @@ def _routed_grouped(xf, ids, weights, m, clamp):
     per_slot = torch.empty(B * k, out.shape[1], dtype=torch.float32, device=xf.device).index_copy_(
         0, order, out
     )
-    return dist.all_reduce_(per_slot.view(B, k, -1)).sum(1)
+    return combine_slots(per_slot.view(B, k, -1))
 
 
 def decode_layer_batch(blk, kv, X, tokens, pos, slot):
