@@ -2,7 +2,9 @@
 
 For each frontier f (ctx-start, then + step-incr or x step-mul, capped at ctx-max): extend the session to
 tokens[:f] (only the new interval is prefilled, timed), keep an in-memory copy of the state, decode gen-tokens
-greedy tokens with EOS excluded (timed), restore the copy. One CSV row per frontier:
+greedy tokens with EOS excluded (timed), restore the copy. The sweep runs --repeats times from an empty
+session (the first pass also pays the JIT compiles of the longer prefills' kernels); one CSV row per
+frontier, with the median speeds of the passes:
 
     ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes,weights_gbps
 
@@ -30,6 +32,7 @@ import argparse
 import csv
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -103,7 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", action="store_true", help="also write <csv>_ts.png and .svg (needs matplotlib)")
     p.add_argument("--no-graphs", action="store_true", help="cuda: decode without CUDA graphs")
     p.add_argument("--parallel", type=int, default=0, help="N sessions decoding together (batched decode)")
-    p.add_argument("--repeats", type=int, default=3, help="--parallel: timed repeats (median)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats (median): sweep passes, or --parallel's steps"
+    )
     p.add_argument(
         "--ttft-prompt", type=int, default=1024, help="--parallel: prompt tokens of the new request"
     )
@@ -282,6 +287,14 @@ class Driver:
     def save(self):
         return self.state.clone(), self.n, self.logits
 
+    def reset(self) -> None:
+        """Back to an empty session (device states in place: the captured decode graph stays valid)."""
+        if hasattr(self.state, "reset"):
+            self.state.reset()
+        else:
+            self.state = self.model.new_state(self.state.ctx)
+        self.n, self.logits = 0, None
+
     def restore(self, saved) -> None:
         state, self.n, self.logits = saved
         if hasattr(self.state, "copy_from"):
@@ -307,48 +320,64 @@ class Driver:
 
 
 def run(a: argparse.Namespace, out, loaded: Loaded | None = None) -> list[dict]:
-    """The sweep; writes CSV rows to `out` as they come. `loaded` reuses an already built model."""
-    from ds4.engine.snapshot import payload_size
-
+    """The sweep, --repeats passes from an empty session; a frontier's CSV row (medians over the passes) is
+    written as the last pass reaches it. `loaded` reuses an already built model."""
     loaded = loaded or load(a)
     if a.parallel:
         return run_parallel(a, out, loaded)
     tokens, model = loaded.tokens, loaded.model
     if len(tokens) < a.ctx_max:
         raise BenchError(f"prompt too short: {len(tokens)} tokens, --ctx-max needs at least {a.ctx_max}")
-    step_bytes = decode_bytes_per_token(model)
     drv = Driver(model, a.ctx_alloc, loaded.eos)
     warm_up(drv, tokens)
+    fronts = frontiers(a.ctx_start, a.ctx_max, a.step_incr, a.step_mul)
     writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
     writer.writeheader()
+    times: list[list[tuple[float, float]]] = [[] for _ in fronts]  # per frontier: (prefill s, decode s)
     rows = []
-    for f in frontiers(a.ctx_start, a.ctx_max, a.step_incr, a.step_mul):
-        n0 = drv.n
-        t0 = time.perf_counter()
-        drv.extend(tokens[n0:f])
-        drv.sync()
-        t_pre = time.perf_counter() - t0
-        saved = drv.save()
-        drv.sync()
-        t0 = time.perf_counter()
-        drv.greedy(a.gen_tokens)
-        drv.sync()
-        t_gen = time.perf_counter() - t0
-        drv.restore(saved)
-        gen_tps = a.gen_tokens / t_gen
-        row = {
-            "ctx_tokens": f,
-            "prefill_tokens": f - n0,
-            "prefill_tps": f"{(f - n0) / t_pre:.2f}",
-            "gen_tokens": a.gen_tokens,
-            "gen_tps": f"{gen_tps:.2f}",
-            "kvcache_bytes": payload_size(model.cfg, f),
-            "weights_gbps": f"{step_bytes * gen_tps / 1e9:.2f}",
-        }
-        writer.writerow(row)
-        out.flush()
-        rows.append(row)
+    for rep in range(a.repeats):
+        drv.reset()
+        for i, f in enumerate(fronts):
+            times[i].append(_frontier_times(drv, tokens[drv.n : f], a.gen_tokens))
+            if rep == a.repeats - 1:
+                rows.append(_sweep_row(model, f, f - (fronts[i - 1] if i else 0), a.gen_tokens, times[i]))
+                writer.writerow(rows[-1])
+                out.flush()
     return rows
+
+
+def _frontier_times(drv: Driver, new_tokens: list[int], gen_tokens: int) -> tuple[float, float]:
+    """Prefill new_tokens (timed), then gen_tokens greedy tokens from a copy of the state (timed); the
+    session is left at the frontier."""
+    t0 = time.perf_counter()
+    drv.extend(new_tokens)
+    drv.sync()
+    t_pre = time.perf_counter() - t0
+    saved = drv.save()
+    drv.sync()
+    t0 = time.perf_counter()
+    drv.greedy(gen_tokens)
+    drv.sync()
+    t_gen = time.perf_counter() - t0
+    drv.restore(saved)
+    return t_pre, t_gen
+
+
+def _sweep_row(model, f: int, n_new: int, gen_tokens: int, times: list[tuple[float, float]]) -> dict:
+    """One CSV row of frontier f from its passes' (prefill s, decode s): median speeds."""
+    from ds4.engine.snapshot import payload_size
+
+    prefill_tps = statistics.median(n_new / t for t, _ in times)
+    gen_tps = statistics.median(gen_tokens / t for _, t in times)
+    return {
+        "ctx_tokens": f,
+        "prefill_tokens": n_new,
+        "prefill_tps": f"{prefill_tps:.2f}",
+        "gen_tokens": gen_tokens,
+        "gen_tps": f"{gen_tps:.2f}",
+        "kvcache_bytes": payload_size(model.cfg, f),
+        "weights_gbps": f"{decode_bytes_per_token(model) * gen_tps / 1e9:.2f}",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,11 +538,11 @@ def run_parallel(a: argparse.Namespace, out, loaded: Loaded) -> list[dict]:
 
 
 def warm_up(drv: Driver, tokens: list[int]) -> None:
-    """Compile kernels and capture the decode graph outside the timed region, then start over."""
-    empty = drv.save()
+    """Compile the decode kernels and capture the decode graph outside the timed region, then start over
+    (kernels of longer prefills still compile in the first pass: --repeats' median leaves that pass out)."""
     drv.extend(tokens[:8])
     drv.greedy(2)
-    drv.restore(empty)
+    drv.reset()
     drv.sync()
 
 
