@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import matmul, matvec, ref
@@ -113,10 +115,40 @@ def test_qmatvec_grouped(qtype):
         w.view(4, 24, 256)
 
 
-Q8_TILES = [matvec.Q8Config(), matvec.Q8Config(16, 256, 4, 3, 8), matvec.Q8Config(8, 1024, 4, 1, 1)]
+Q8_TILES = [
+    matvec.Q8Config(),
+    matvec.Q8Config(16, 256, 4, 3, 8),
+    matvec.Q8Config(8, 1024, 4, 1, 1),
+    matvec.Q8Config(xdirect=True),
+    matvec.Q8Config(magic=True),
+    matvec.Q8Config(16, 256, 4, 3, 8, magic=True),
+]
 
 
-@pytest.mark.parametrize("cfg", Q8_TILES, ids=lambda c: f"bn{c.bn}-tk{c.tk}-s{c.stages}-t{c.target}")
+def _q8_id(c: matvec.Q8Config) -> str:
+    return f"bn{c.bn}-tk{c.tk}-s{c.stages}-t{c.target}" + "-xdirect" * c.xdirect + "-magic" * c.magic
+
+
+@triton.jit
+def _i8x4_f32_kernel(w_ptr, out_ptr):
+    """out [64 words x 4] = matvec._i8x4_f32 of the 64 int32 words at w_ptr, as a [8, 1, 8] tile."""
+    r = tl.arange(0, 8)[:, None, None]
+    c = tl.arange(0, 8)[None, None, :]
+    f = matvec._i8x4_f32(tl.load(w_ptr + r * 8 + c))  # [8, 1, 8, 4]
+    tl.store(out_ptr + (r * 8 + c)[:, :, :, None] * 4 + tl.arange(0, 4)[None, None, None, :], f)
+
+
+def test_magic_int8_conversion_is_exact_for_every_byte():
+    """Q8Config.magic's int8 -> f32 conversion against torch's, for all 256 values in every byte lane."""
+    b = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
+    b = torch.stack([b, b.roll(1), b.roll(77), b.flip(0)], dim=1).reshape(-1)  # each value in each lane
+    for words in b.view(torch.int32).split(64):  # 4 tiles of 64 words
+        out = torch.empty(256, dtype=torch.float32, device=DEVICE)
+        _i8x4_f32_kernel[(1,)](words.contiguous(), out)
+        assert torch.equal(out, words.view(torch.int8).float())
+
+
+@pytest.mark.parametrize("cfg", Q8_TILES, ids=_q8_id)
 def test_q8_mv1_tiles(cfg):
     # plain: N = 20 (a partial row tile), K = 1024 (split-K unless the target is tiny); grouped: 3 x 32 rows
     w = packed(GGMLType.Q8_0, (20, 1024), seed=31)
@@ -288,6 +320,21 @@ def test_qmatvec_flash_shapes_cuda(qtype, k, n):
         xb = x.bfloat16()
         tol = BF16_TOL if b > 4 else F32_TOL
         assert rel_err(matvec.qmatvec(xb, w), ref.qmatvec(xb, w)) < tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", Q8_TILES, ids=_q8_id)
+def test_q8_mv1_flash_shapes_cuda(cfg):
+    """Every q8_mv1 tile / code variant at the q_b and head shapes (split-K with the fixup, 8 groups)."""
+    assert CUDA
+    for n, k, groups in ((32768, 1024, 1), (129280, 4096, 1), (1024, 4096, 8)):
+        w = packed(GGMLType.Q8_0, (groups, n, k) if groups > 1 else (n, k), seed=24)
+        x = torch.randn(groups * k, generator=generator(24), device=DEVICE)
+        if groups > 1:
+            want = ref.qmatvec_grouped(x.view(1, groups, k), w).reshape(-1)
+        else:
+            want = ref.qmatvec(x[None], w)[0]
+        assert rel_err(matvec.q8_mv1(x, w, n, cfg), want) < F32_TOL
 
 
 @pytest.mark.cuda

@@ -345,19 +345,42 @@ def _qmv_kernel(
 @dataclass(frozen=True)
 class Q8Config:
     """Tile of the batch-1 Q8_0 kernel: BN rows per program, TK elements per k-tile, warps, pipeline stages
-    of the k loop, and the number of programs split-K aims for."""
+    of the k loop, and the number of programs split-K aims for. Two code variants (same products and
+    sums; sm_90 k loop at the default tile, Triton 3.6's bundled ptxas, per thread and 32 weights):
+      xdirect: x loaded straight into the weight tile's layout (each thread its own x elements, broadcast
+        over the BN rows from L1) instead of one load redistributed through shared memory: 10 -> 2 barriers
+        and 9 -> 2 shared loads per k-tile, 133 -> 126 instructions;
+      magic: the int8 weights read as int32 words and turned into f32 by the 2^23 magic number (_i8x4_f32)
+        instead of I2F, which sm_90 issues at 16 per SM per clock (a quarter of the integer pipe), x loaded
+        directly as with xdirect (through shared memory its [TB, 8, 4] tile took 409 instructions): 32 I2F
+        -> 0 at 170 instructions (integer ops 1.06 -> 2.34 per weight). By issue slots (1 warp instruction
+        per clock per SM quarter, integer ops at 1/2, I2F at 1/8) 32 weights cost >= 8 clocks (I2F) now and
+        ~5.3 so: the I2F bound alone is ~4.4 TB/s of Q8_0 bytes, so this pays only where I2F stalls bite.
+    tools/gpu/bench_q8.py --variants times them; --compile-only prints these counts."""
 
     bn: int = 8
     tk: int = 512
     warps: int = 4
     stages: int = 1
     target: int = 528
+    xdirect: bool = False
+    magic: bool = False
 
 
 # tools/gpu/tune_decode.py times the alternatives: on an H200 (2026-11-29) this tile gave the lowest sum over
 # a decode step's Q8_0 shapes (5.9 ms cold-L2 vs 14.4 ms for the general kernel; stages 3, 4/16/32 rows, 256
 # or 1024-element tiles were 0-60 % slower).
 Q8_MV1 = Q8Config(bn=8, tk=512, warps=4, stages=1, target=2112)
+
+
+@triton.jit
+def _i8x4_f32(w):
+    """int32 words w [R, G, 8] (4 int8 each, little-endian) -> their bytes as f32 [R, G, 8, 4], exact:
+    (b + 128) is put in the mantissa of 2^23 and 2^23 + 128 subtracted (no I2F: see Q8Config.magic)."""
+    u = w.to(tl.uint32, bitcast=True) ^ 0x80808080  # each byte b -> b + 128 (unsigned)
+    sh = (tl.arange(0, 4) * 8).to(tl.uint32)
+    b = ((u[:, :, :, None] >> sh[None, None, None, :]) & 0xFF) | 0x4B000000
+    return b.to(tl.float32, bitcast=True) - 8388736.0
 
 
 @triton.jit
@@ -376,9 +399,12 @@ def _q8_mv1_kernel(
     TK: tl.constexpr,
     STAGES: tl.constexpr,
     FIXUP: tl.constexpr,
+    XDIRECT: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
     """Partials out [S, N], program (row tile, split); FIXUP: the last split of each row tile also writes
-    the sum to sum_ptr [N] (counters cnt_ptr, one per row tile)."""
+    the sum to sum_ptr [N] (counters cnt_ptr, one per row tile). XDIRECT / MAGIC: Q8Config's xdirect /
+    magic (MAGIC: qs is the int32 view of the quants)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     TB: tl.constexpr = TK // 32  # blocks per k-tile
@@ -386,18 +412,32 @@ def _q8_mv1_kernel(
     wrow = tl.minimum(n, N - 1).to(tl.int64)
     xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
     blk = tl.arange(0, TB)
-    e = tl.arange(0, 32)
-    qp = qs + wrow[:, None, None] * K + blk[None, :, None] * 32 + e[None, None, :]  # [BN, TB, 32]
+    if MAGIC:  # [BN, TB, 8] words of 4 quants; x as [TB, 8, 4]
+        e8 = tl.arange(0, 8)
+        qp = qs + wrow[:, None, None] * (K // 4) + blk[None, :, None] * 8 + e8[None, None, :]
+        xp = x_ptr + xbase + blk[:, None, None] * 32 + e8[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        xp = tl.broadcast_to(xp[None], [BN, TB, 8, 4])  # x loaded directly (see Q8Config.magic)
+        QK: tl.constexpr = TK // 4  # words per k-tile
+    else:  # [BN, TB, 32] quants; x as [TB, 32]
+        e = tl.arange(0, 32)
+        qp = qs + wrow[:, None, None] * K + blk[None, :, None] * 32 + e[None, None, :]
+        xp = x_ptr + xbase + blk[:, None] * 32 + e[None, :]
+        if XDIRECT:
+            xp = tl.broadcast_to(xp[None], [BN, TB, 32])
+        QK: tl.constexpr = TK
     dp = dsc + wrow[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
-    xp = x_ptr + xbase + blk[:, None] * 32 + e[None, :]  # [TB, 32]
     kt_lo = pid_s * kt_per_split
     kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
     acc = tl.zeros([BN, TB], dtype=tl.float32)
     for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
-        q = tl.load(qp + kt * TK).to(tl.float32)
         d = tl.load(dp + kt * TB).to(tl.float32)
         xv = tl.load(xp + kt * TK).to(tl.float32)
-        acc += tl.sum(q * xv[None, :, :], axis=2) * d
+        if not (XDIRECT or MAGIC):
+            xv = xv[None]
+        if MAGIC:
+            acc += tl.sum(tl.sum(_i8x4_f32(tl.load(qp + kt * QK)) * xv, axis=3), axis=2) * d
+        else:
+            acc += tl.sum(tl.load(qp + kt * QK).to(tl.float32) * xv, axis=2) * d
     tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
     if FIXUP:  # as one batch row: tile [1, BN]
         off, mask = n[None, :], (n < N)[None, :]
@@ -426,9 +466,11 @@ def q8_mv1(
     out = torch.empty(splits, N, dtype=torch.float32, device=x.device)  # [S, N] partials
     fix = _fixup_output(x.device, splits, n_prog, (N,))
     total, cnt = fix or (out, out)  # (unused pointers without the fixup)
+    qs = w.data["qs"].view(torch.int32) if cfg.magic else w.data["qs"]
     _q8_mv1_kernel[(n_prog, splits)](
-        x, w.data["qs"], w.data["d"], out, total, cnt, N, K, rows_per_group, per,
-        BN=cfg.bn, TK=tk, STAGES=cfg.stages, FIXUP=fix is not None, num_warps=cfg.warps,
+        x, qs, w.data["d"], out, total, cnt, N, K, rows_per_group, per,
+        BN=cfg.bn, TK=tk, STAGES=cfg.stages, FIXUP=fix is not None, XDIRECT=cfg.xdirect, MAGIC=cfg.magic,
+        num_warps=cfg.warps,
     )  # fmt: skip
     if fix is not None:
         return total

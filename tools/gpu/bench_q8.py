@@ -1,9 +1,11 @@
 """Q8_0 decode matvecs at Flash shapes: split-K summed inside the kernel (matvec.Q8_FIXUP) vs a torch sum.
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_q8.py            (< 90 s)
+              PYTHONPATH=. python3 tools/gpu/bench_q8.py --variants   (q8_mv1 code variants, B = 1; < 60 s)
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_q8.py --list     (shapes and launch plans; no GPU)
               PYTHONPATH=. python3 tools/gpu/bench_q8.py --compile-only   (sm_90 builds with Triton's bundled
-              ptxas: registers, spill stack, atomics, for fixup off and on)
+              ptxas: registers, spill stack, atomics, for fixup off and on; q8_mv1's variants with their k
+              loop's SASS per weight)
 
 Shapes: the Q8_0 matrices of one Flash decode step ([out N, in K], ds4/layout.py; the engine merges q_a with
 kv and the shared expert's gate with up, DS4_MERGE_PACKED): q_a + kv [1024 + 512, 4096], q_b [64 x 512, 1024],
@@ -27,6 +29,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -79,9 +82,10 @@ def call(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return mv.qmatvec(x, w)
 
 
-def capture(calls, fixup: bool) -> torch.cuda.CUDAGraph:
-    """`calls` (run in order) captured as one CUDA graph with matvec.Q8_FIXUP = fixup."""
-    mv.Q8_FIXUP = fixup  # read by each call, so fixed in the graph
+def capture(calls, setup) -> torch.cuda.CUDAGraph:
+    """`calls` (run in order) captured as one CUDA graph after setup() (module switches are read by each
+    call, so they are fixed in the graph)."""
+    setup()
     for c in calls:  # compile; counters and allocator warm-up outside the capture
         c()
     torch.cuda.synchronize()
@@ -92,21 +96,33 @@ def capture(calls, fixup: bool) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def time_ab(calls) -> dict[bool, float]:
-    """{fixup: median seconds per call} of `calls` as a graph each way; replays alternate off / on so that
-    clock drift hits both alike."""
-    graphs = {fix: capture(calls, fix) for fix in (False, True)}
-    ts: dict[bool, list[float]] = {False: [], True: []}
+def _fixup(on: bool):
+    def setup():
+        mv.Q8_FIXUP = on
+
+    return setup
+
+
+def time_ways(calls, ways: dict) -> dict:
+    """{way: median seconds per call} of `calls` as one graph per way (ways: name -> setup); the replays
+    alternate between the ways so that clock drift hits all alike."""
+    graphs = {name: capture(calls, setup) for name, setup in ways.items()}
+    ts: dict = {name: [] for name in ways}
     for i in range(WARMUP + REPS):
-        for fix, graph in graphs.items():
+        for name, graph in graphs.items():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             graph.replay()
             b.record()
             b.synchronize()
             if i >= WARMUP:
-                ts[fix].append(a.elapsed_time(b) * 1e-3 / len(calls))
-    return {fix: statistics.median(v) for fix, v in ts.items()}
+                ts[name].append(a.elapsed_time(b) * 1e-3 / len(calls))
+    return {name: statistics.median(v) for name, v in ts.items()}
+
+
+def time_ab(calls) -> dict[bool, float]:
+    """{fixup: median seconds per call}, fixup off and on."""
+    return time_ways(calls, {fix: _fixup(fix) for fix in (False, True)})
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -161,6 +177,59 @@ def run(dev: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# --variants: q8_mv1 code variants (matvec.Q8Config.xdirect / magic) at B = 1, fixup on
+
+VARIANTS = {
+    "default": mv.Q8_MV1,
+    "xdirect": replace(mv.Q8_MV1, xdirect=True),
+    "magic": replace(mv.Q8_MV1, magic=True),  # loads x directly too
+}
+
+
+def _variant(cfg: mv.Q8Config):
+    def setup():
+        mv.Q8_FIXUP, mv.Q8_MV1 = True, cfg
+
+    return setup
+
+
+def run_variants(dev: torch.device) -> None:
+    """Per shape: each variant checked against the twin on fresh x, then all timed in alternating graph
+    replays (L weight copies each); last lines: per decode step and the VERDICT (fastest step)."""
+    gen = torch.Generator(dev).manual_seed(1)
+    default = mv.Q8_MV1
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  B=1")
+    print(f"{'shape':11s} {'MB':>6s} | " + " | ".join(f"{v:>13s} us GB/s" for v in VARIANTS) + " | err twin")
+    step = dict.fromkeys(VARIANTS, 0.0)
+    worst = 0.0
+    for label, n, k, groups, count in SHAPES:
+        ws = [random_q8(n, k, groups, gen) for _ in range(4 if n * k > 100e6 else L)]
+        mb = ws[0].nbytes() / 1e6
+        x = torch.randn(1, k * groups, device=dev, generator=gen)
+        xc = torch.randn(1, k * groups, device=dev, generator=gen)
+        xw = xc.view(1, groups, -1) if groups > 1 else xc
+        want = (ref.qmatvec_grouped(xw, ws[0]) if groups > 1 else ref.qmatvec(xc, ws[0])).flatten(1)
+        errs = []
+        for cfg in VARIANTS.values():
+            _variant(cfg)()
+            errs.append(rel(call(xc, ws[0]), want))
+        worst = max(worst, *errs)
+        calls = [lambda w=w, x=x: call(x, w) for w in ws]
+        t = time_ways(calls, {v: _variant(c) for v, c in VARIANTS.items()})
+        cols = [f"{t[v] * 1e6:9.1f} {mb / t[v] / 1e3:6.0f}" for v in VARIANTS]
+        print(f"{label:11s} {mb:6.1f} | " + " | ".join(cols) + f" | {max(errs):.1e}", flush=True)
+        for v in VARIANTS:
+            step[v] += t[v] * count * 1e3
+        del ws
+        torch.cuda.empty_cache()
+    mv.Q8_MV1 = default
+    print(f"max rel err vs twin {worst:.1e} ({'OK' if worst < 1e-5 else 'ABOVE 1e-5'})")
+    print("per decode step (B = 1): " + ", ".join(f"{v} {ms:.3f} ms" for v, ms in step.items()))
+    best = min(step, key=step.get)
+    print(f"VERDICT q8_mv1: {best} ({step[best]:.3f} ms vs default {step['default']:.3f} ms per step)")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # --list and --compile-only: no GPU needed
 
 
@@ -176,14 +245,20 @@ _PTR = {"x_ptr": "*fp32", "qs": "*i8", "dsc": "*fp16", "w0": "*i8", "w1": "*fp16
 _PTR |= {"out_ptr": "*fp32", "sum_ptr": "*fp32", "cnt_ptr": "*i32", "w_ptr": "*fp16"}
 
 
-def _build(fn, consts: dict, warps: int, x_type: str = "*fp32"):
-    """fn compiled for sm_90 (pointers 16-byte aligned, ints i32, the given constexprs)."""
+# ints that are multiples of 16 at every Flash shape: Triton's launcher specializes such values as divisible
+# by 16 (what lets the quant loads vectorize), so the builds here mark them too
+_DIV16 = ("N", "K", "NG")
+
+
+def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "*i8"):
+    """fn compiled for sm_90: pointers 16-byte aligned, ints i32 (_DIV16 divisible by 16), constexprs."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ptr = {**_PTR, "x_ptr": x_type}
+    ptr = {**_PTR, "x_ptr": x_type, "qs": qs_type}
     sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in ptr}
+    div = [i for i, a in enumerate(fn.arg_names) if a in ptr or (a in _DIV16 and a not in consts)]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div}
     src = ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
@@ -205,30 +280,50 @@ def _usage(cubin: bytes) -> str:
     return f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} atomics {atoms}"
 
 
+def _loop_summary(cubin: bytes, weights_per_thread: float) -> str:
+    """The k loop's SASS instructions per weight a thread covers, by class (bench_moe's classes)."""
+    from collections import Counter
+
+    from bench_moe import _CLASSES, _sass_loop
+
+    _, body = _sass_loop(cubin)
+    by = Counter(_CLASSES.get(op, "other") for op in body)
+    i2f = sum(op == "I2F" for op in body)
+    parts = " ".join(f"{c} {n / weights_per_thread:.2f}" for c, n in sorted(by.items()))
+    per = len(body) / weights_per_thread
+    return f"k loop {len(body)} ({per:.2f}/weight: {parts}; I2F {i2f}, BAR {by['bar']})"
+
+
 def compile_only() -> int:
     q8 = mv.Q8_MV1
     tk = 256  # tile_k of every Flash Q8_0 row length in the B-row tiles
     runs = []
     for fix in (False, True):
-        runs.append((f"q8_mv1 bn{q8.bn} tk{q8.tk}", mv._q8_mv1_kernel, {"BN": q8.bn, "TK": q8.tk,
-                     "STAGES": q8.stages, "FIXUP": fix}, q8.warps, "*fp32"))  # fmt: skip
+        for name, cfg in VARIANTS.items() if fix else [("default", q8)]:
+            consts = {"BN": cfg.bn, "TK": cfg.tk, "STAGES": cfg.stages, "FIXUP": fix, "XDIRECT": cfg.xdirect,
+                      "MAGIC": cfg.magic}  # fmt: skip
+            wpt = cfg.bn * cfg.tk / (32 * cfg.warps)
+            qs = "*i32" if cfg.magic else "*i8"
+            label = f"q8_mv1 bn{cfg.bn} tk{cfg.tk} {name}"
+            runs.append((label, mv._q8_mv1_kernel, consts, cfg.warps, "*fp32", qs, wpt))
         for bb, bn, dot, xt in ((1, 16, False, "*fp32"), (4, 4, False, "*fp32"), (16, 32, True, "*bf16")):
             consts = {"QT": 8, "BB": bb, "BN": bn, "TK": tk, "SW": tk, "USE_DOT": dot, "FIXUP": fix}
-            runs.append((f"qmv tiles BB{bb} BN{bn}{' dot' * dot}", mv._qmv_kernel, consts, 4, xt))
+            runs.append((f"qmv tiles BB{bb} BN{bn}{' dot' * dot}", mv._qmv_kernel, consts, 4, xt, "*i8", 0))
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True}  # _split_fixup's other user
-    runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32"))
+    runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))
     print(f"triton {triton.__version__}, sm_90")
     failures = 0
-    for name, fn, consts, warps, xt in runs:
+    for name, fn, consts, warps, xt, qt, wpt in runs:
         t0 = time.time()
         try:
-            summary = _usage(_build(fn, consts, warps, xt).asm["cubin"])
+            cubin = _build(fn, consts, warps, xt, qt).asm["cubin"]
+            summary = _usage(cubin) + (f"\n      {_loop_summary(cubin, wpt)}" if wpt else "")
         except Exception as e:  # report every build
             failures += 1
             summary = f"FAILED {type(e).__name__}: {str(e)[:300]}"
         fix = consts.get("FIXUP")
         print(
-            f"  {name:26s} fixup {'on ' if fix else 'off'}  {summary}  ({time.time() - t0:.1f} s)", flush=True
+            f"  {name:30s} fixup {'on ' if fix else 'off'}  {summary}  ({time.time() - t0:.1f} s)", flush=True
         )
     print(f"{len(runs) - failures} of {len(runs)} builds for sm_90 compiled")
     return 1 if failures else 0
@@ -244,7 +339,10 @@ def main() -> int:
         print("bench_q8: needs a CUDA GPU (--list / --compile-only run anywhere)", file=sys.stderr)
         return 2
     t0 = time.time()
-    run(torch.device("cuda"))
+    if "--variants" in sys.argv:
+        run_variants(torch.device("cuda"))
+    else:
+        run(torch.device("cuda"))
     print(f"({time.time() - t0:.0f} s)")
     return 0
 
