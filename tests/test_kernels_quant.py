@@ -164,6 +164,36 @@ def test_q8_mv1_tiles(cfg):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# q8_rows: Q8_0 x B rows on the tensor cores, f32-accurate (batched decode above 8 rows). The bound is the f32
+# one: the bf16-rounded tiles it replaces are ~2e-3 off (BF16_TOL), so a lost x low part or a block scale
+# applied to the wrong block fails it.
+
+
+@pytest.mark.parametrize(
+    ("b", "n", "k"), [(9, 64, 256), (16, 70, 512), (33, 128, 1024), (64, 64, 256)], ids=str
+)
+def test_q8_rows_f32_accurate(b, n, k):
+    w = packed(GGMLType.Q8_0, (n, k), seed=50 + b)
+    x = torch.randn(b, k, generator=generator(50 + b), device=DEVICE) * 3.0
+    want = ref.qmatvec(x, w)
+    got = matvec.qmatvec(x, w)  # f32 rows >= Q8_ROWS_FROM: q8_rows
+    assert rel_err(got, want) < F32_TOL
+    assert torch.equal(got, matvec.q8_rows(x, w, n))
+    splits = matvec.q8_rows_plan(b, n, k, matvec.Q8_ROWS)[2][2]
+    assert k < 1024 or splits > 1  # the long row runs split-K (the fixup sums it)
+    bf16 = matvec.qmatvec(x.bfloat16(), w)  # the bf16 tiles: measurably worse (the point of q8_rows)
+    assert rel_err(bf16, want) > 10 * rel_err(got, want)
+
+
+def test_q8_rows_grouped_and_bad_tile():
+    w = packed(GGMLType.Q8_0, (3, 64, 256), seed=60)
+    x = torch.randn(12, 3, 256, generator=generator(60), device=DEVICE)
+    assert rel_err(matvec.qmatvec_grouped(x, w), ref.qmatvec_grouped(x, w)) < F32_TOL
+    with pytest.raises(ValueError, match="must divide the group of 40 rows"):
+        matvec.q8_rows(x.reshape(12, -1)[:, :512], packed(GGMLType.Q8_0, (2, 40, 256), seed=61), 40)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Split-K summed inside the Q8_0 kernels (matvec.Q8_FIXUP): the last split of each output tile adds the
 # partials in split order and re-arms its counter. Oracles: the twin (dequantize + f32 matmul) and the torch
 # sum of the same partials (switch off). The two sums differ only in the order the S partials p_s are
@@ -335,6 +365,21 @@ def test_q8_mv1_flash_shapes_cuda(cfg):
         else:
             want = ref.qmatvec(x[None], w)[0]
         assert rel_err(matvec.q8_mv1(x, w, n, cfg), want) < F32_TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("b", [9, 16, 32, 64])
+def test_q8_rows_flash_shapes_cuda(b):
+    """q8_rows at q_a+kv / q_b / o_a (8 groups) / head widths, f32 bound; the bf16 tiles fail that bound."""
+    assert CUDA
+    for n, k, groups in ((1536, 4096, 1), (32768, 1024, 1), (1024, 4096, 8), (129280, 4096, 1)):
+        w = packed(GGMLType.Q8_0, (groups, n, k) if groups > 1 else (n, k), seed=25)
+        x = torch.randn(b, groups, k, generator=generator(25), device=DEVICE)
+        if groups > 1:
+            got, want = matvec.qmatvec_grouped(x, w), ref.qmatvec_grouped(x, w)
+        else:
+            got, want = matvec.qmatvec(x[:, 0], w), ref.qmatvec(x[:, 0], w)
+        assert rel_err(got, want) < F32_TOL, (n, k, groups)
 
 
 @pytest.mark.cuda

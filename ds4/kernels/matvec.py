@@ -515,7 +515,19 @@ def qmatvec(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return torch.zeros(B, N, dtype=torch.float32, device=x.device)
     if B == 1 and w.qtype == GGMLType.Q8_0:
         return q8_mv1(x, w, N).view(1, N)
+    if _takes_q8_rows(B, x, w):
+        return q8_rows(x, w, N)
     return _qmatvec_tiles(x, w)
+
+
+# f32 activation rows from which Q8_0 takes q8_rows (tensor cores, f32-accurate) instead of the CUDA-core
+# tiles, which run in chunks of 4 rows that each decode the weight tile again. Up to 8 rows: those tiles (the
+# path timed at B <= 8 on the H200).
+Q8_ROWS_FROM = 9
+
+
+def _takes_q8_rows(rows: int, x: torch.Tensor, w: PackedWeight) -> bool:
+    return w.qtype == GGMLType.Q8_0 and x.dtype == torch.float32 and rows >= Q8_ROWS_FROM
 
 
 @dataclass(frozen=True)
@@ -552,6 +564,120 @@ def _qmatvec_tiles(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         x, *weight_args(w), out, total, cnt, B, N, K, x.stride(0), p.per,
         QT=_qtype_code(w), BB=p.bb, BN=p.bn, TK=p.tk, SW=sub_width(w, p.tk), USE_DOT=p.use_dot,
         FIXUP=fix is not None, num_warps=4,
+    )  # fmt: skip
+    if fix is not None:
+        return total
+    return out[0] if splits == 1 else out.sum(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Q8_0 x B activation rows on the tensor cores, f32-accurate (batched decode of many sessions, issue 8).
+# bf16 tensor-core tiles round W's d * q products (19 significant bits) and x to bf16: ~4e-3 per product,
+# which batched decode above 8 rows showed as ~3e-2 of the logit std from the first step (BENCHMARKS.md,
+# session 4). Here every 32-block is one k-step: its quants q are integers (exact in tf32), x is split as
+# hmatvec's tf32x2 splits it (hi = x's top 10 mantissa bits, exact in tf32; lo = x - hi, rounded to tf32 by
+# the mma, 2^-11 of lo), the block's two dots [BN, 32] x [32, BB] sum exact products in f32 and the block
+# scale d [BN] multiplies the block's sum once, as ref.qmatvec's exact dequantization does: ~2^-21 relative
+# per product (f32 summation noise of a 4096-long dot is ~2^-18). W is the dot's A operand (M = BN rows), x^T
+# the B operand (N = BB rows of x). Split-K with the in-kernel fixup, as the other Q8_0 kernels. Rows may come
+# in groups of NG that each read their own x slice (qmatvec_grouped), as in q8_mv1.
+
+
+@dataclass(frozen=True)
+class Q8RowsConfig:
+    """Tile of q8_rows: BN weight rows per program, warps, k-loop pipeline stages, programs split-K aims
+    for. The x rows per program (BB) follow B: 16, 32 or 64."""
+
+    bn: int = 64
+    warps: int = 4
+    stages: int = 3
+    target: int = 1056
+
+
+# Not yet timed on a GPU (2026-12-01): tools/gpu/bench_q8.py --rows times it against the dense bf16 GEMM it
+# replaces in batched decode. sm_90 builds (bench_q8.py --compile-only): 65 / 96 / 150 registers at BB = 16 /
+# 32 / 64, no spills, 10-28 KB of shared memory.
+Q8_ROWS = Q8RowsConfig()
+
+
+@triton.jit
+def _q8_rows_kernel(
+    x_ptr,
+    qs,
+    dsc,
+    out_ptr,
+    sum_ptr,
+    cnt_ptr,
+    B,
+    N,
+    K,
+    NG,
+    stride_x,
+    kb_per_split,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    STAGES: tl.constexpr,
+    FIXUP: tl.constexpr,
+):
+    """Partials out [S, B, N] of x [B, G * K] (row n reads group n // NG) @ W^T, program (row tile, batch
+    tile, split); FIXUP: the last split of each tile also writes the sum to sum_ptr [B, N]."""
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = tl.minimum(n, N - 1).to(tl.int64)  # clamped: the loads need no mask, the store has one
+    b = pid_b * BB + tl.arange(0, BB)
+    bmask = b < B
+    e = tl.arange(0, 32)
+    xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
+    qp = qs + wrow[:, None] * K + e[None, :]  # [BN, 32]
+    dp = dsc + wrow * (K // 32)  # [BN]
+    xp = x_ptr + b[:, None].to(tl.int64) * stride_x + xbase + e[None, :]  # [BB, 32]
+    kb_lo = pid_s * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, K // 32)
+    acc = tl.zeros([BN, BB], dtype=tl.float32)
+    for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
+        q = tl.load(qp + kb * 32).to(tl.float32)  # [BN, 32] integers: exact in tf32
+        d = tl.load(dp + kb).to(tl.float32)  # [BN]
+        xv = tl.load(xp + kb * 32, mask=bmask[:, None], other=0.0)  # [BB, 32] f32
+        hi = (xv.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # low 13 bits: 0
+        part = tl.dot(q, tl.trans(hi), input_precision="tf32")
+        part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
+        acc += part * d[:, None]
+    y = tl.trans(acc)  # [BB, BN]
+    off = b[:, None].to(tl.int64) * N + n[None, :]
+    mask = bmask[:, None] & (n < N)[None, :]
+    tl.store(out_ptr + pid_s.to(tl.int64) * B * N + off, y, mask=mask)
+    if FIXUP:
+        tile_cnt = cnt_ptr + pid_n * tl.num_programs(1) + pid_b
+        _split_fixup(out_ptr, sum_ptr, tile_cnt, off, mask, B, N, tl.num_programs(2), BB, BN)
+
+
+def q8_rows_plan(b: int, n: int, k: int, cfg: Q8RowsConfig) -> tuple[int, int, tuple[int, int, int]]:
+    """(BB, 32-blocks per split, grid) of q8_rows for b rows of x times n Q8_0 rows of length k."""
+    bb = 16 if b <= 16 else 32 if b <= 32 else 64
+    tiles = triton.cdiv(n, cfg.bn) * triton.cdiv(b, bb)
+    n_kb = k // 32
+    want = max(1, min(n_kb // 4, triton.cdiv(cfg.target, tiles)))  # a split keeps >= 4 blocks
+    per = triton.cdiv(n_kb, want)
+    return bb, per, (triton.cdiv(n, cfg.bn), triton.cdiv(b, bb), triton.cdiv(n_kb, per))
+
+
+def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsConfig | None = None):
+    """x [B, G*K] f32 (G groups of K) with Q8_0 rows W [N, K] -> [B, N] f32, f32-accurate; row n reads x
+    group n // rows_per_group (rows_per_group = N: a plain matmul). cfg: tile (default Q8_ROWS)."""
+    cfg = cfg or Q8_ROWS
+    B, N, K = x.shape[0], w.rows, w.K
+    if rows_per_group % cfg.bn and rows_per_group != N:
+        raise ValueError(f"q8_rows: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
+    bb, per, grid = q8_rows_plan(B, N, K, cfg)
+    splits = grid[2]
+    out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)  # [S, B, N] partials
+    fix = _fixup_output(x.device, splits, grid[0] * grid[1], (B, N))
+    total, cnt = fix or (out, out)  # (unused pointers without the fixup)
+    _q8_rows_kernel[grid](
+        x, w.data["qs"], w.data["d"], out, total, cnt, B, N, K, rows_per_group, x.stride(0), per,
+        BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=fix is not None, num_warps=cfg.warps,
     )  # fmt: skip
     if fix is not None:
         return total
@@ -600,6 +726,8 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return ref.qmatvec_grouped(x2.reshape(B, G, K), w)
     if B == 1 and w.qtype == GGMLType.Q8_0 and N > 0 and N % Q8_MV1.bn == 0:
         return q8_mv1(x2, w, N).view(1, G, N)
+    if _takes_q8_rows(B, x2, w) and N > 0 and N % Q8_ROWS.bn == 0:
+        return q8_rows(x2.view(B, G * K), w, N).view(B, G, N)
     out = torch.empty(B, G, N, dtype=torch.float32, device=x.device)
     if B == 0 or N == 0:
         return out
@@ -826,11 +954,15 @@ __all__ = [
     "HMV_SMALL",
     "HalfConfig",
     "Q8Config",
+    "Q8RowsConfig",
     "Q8_MV1",
+    "Q8_ROWS",
     "dot_rows",
     "hmatvec",
     "q8_mv1",
     "q8_mv1_plan",
+    "q8_rows",
+    "q8_rows_plan",
     "qmatvec",
     "qmatvec_grouped",
     "qmatvec_plan",
