@@ -10,7 +10,9 @@ On the H200:   PYTHONPATH=. python tools/gpu/batch_check.py        (about 3-6 mi
 (b) time: the full synthetic Flash q2; ONE session prefilled to --ctx tokens, copied into B pool sessions;
     median of 3 runs of --steps batched greedy steps (host argmax per step, as the scheduler does) for each
     B: step ms, aggregate tok/s, weight GB/s (the bytes one decode step reads x steps/s). B = 1 goes through
-    the single-state graph (what decode_batch does for one session); "1*" is the batched code at bucket 1.
+    the single-state graph (what decode_batch does for one session); "1*" is the batched code at bucket 1;
+    without --plain also "Bg" (routed experts as grouped bf16 GEMMs) and "Bd" (the Q8_0 projections on their
+    dense bf16 copies above 8 rows, layer.BATCH_QROWS = 0: the path before matvec.q8_rows).
 (c) peak GPU memory and the KV pool bytes.
 Exit status 1 when a check fails.
 """
@@ -32,7 +34,7 @@ import torch  # noqa: E402
 from ds4.bench import decode_bytes_per_token, synthetic_model  # noqa: E402
 from ds4.config import FLASH  # noqa: E402
 from ds4.model.cuda import batch, layer  # noqa: E402
-from ds4.model.cuda.model import BatchRunner, bucket_of  # noqa: E402
+from ds4.model.cuda.model import BatchRunner  # noqa: E402
 from ds4.model.cuda.state import session_nbytes  # noqa: E402
 
 REL_TOL = 2e-2
@@ -48,7 +50,10 @@ def prompt_tokens(n: int, vocab: int, salt: int) -> list[int]:
     return [(i * 7919 + salt * 104729 + 13) % vocab for i in range(n)]
 
 
-def set_grouped(on: bool, pool, qrows: int = 0) -> None:
+DEFAULT_QROWS = layer.BATCH_QROWS  # env DS4_BATCH_QROWS at start-up
+
+
+def set_grouped(on: bool, pool, qrows: int = DEFAULT_QROWS) -> None:
     """Routed experts of batched steps as grouped GEMMs (ds4.model.cuda.batch.GROUPED_ROWS) or not, and the
     packed-matvec row limit (layer.BATCH_QROWS); a change drops the pool's bucket graphs (recaptured)."""
     want = 1 if on else 0
@@ -132,10 +137,10 @@ def time_batches(batches: list[int], ctx: int, steps: int, repeats: int, plain: 
     rows += [(b, False, "") for b in batches if b != 1]
     if not plain:  # the alternative paths (--plain: the defaults only)
         rows += [(b, False, "g") for b in batches if b >= 8]  # routed experts as grouped GEMMs
-        rows += [(b, False, "q") for b in batches if b > 8]  # packed matvec (bf16 activations) above 8 rows
+        rows += [(b, False, "d") for b in batches if b > 8]  # Q8_0 projections on the dense bf16 copies
     for B, bucket1, mode in rows:
         states = pool[:B]
-        set_grouped(mode == "g", kv, bucket_of(max(batches)) if mode == "q" else 0)
+        set_grouped(mode == "g", kv, 0 if mode == "d" else DEFAULT_QROWS)
         runner = kv.runner = kv.runner or BatchRunner(model, kv)
 
         def step(toks: list[int], states=states, bucket1=bucket1, runner=runner) -> list[int]:

@@ -2,6 +2,7 @@
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_q8.py            (< 90 s)
               PYTHONPATH=. python3 tools/gpu/bench_q8.py --variants   (q8_mv1 code variants, B = 1; < 60 s)
+              PYTHONPATH=. python3 tools/gpu/bench_q8.py --rows   (B = 16 / 32 / 64: q8_rows vs dense bf16)
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_q8.py --list     (shapes and launch plans; no GPU)
               PYTHONPATH=. python3 tools/gpu/bench_q8.py --compile-only   (sm_90 builds with Triton's bundled
               ptxas: registers, spill stack, atomics, for fixup off and on; q8_mv1's variants with their k
@@ -104,19 +105,24 @@ def _fixup(on: bool):
 
 
 def time_ways(calls, ways: dict) -> dict:
-    """{way: median seconds per call} of `calls` as one graph per way (ways: name -> setup); the replays
+    """{way: median seconds per call} of `calls` as one graph per way (ways: name -> setup)."""
+    return time_graphs({name: (calls, setup) for name, setup in ways.items()})
+
+
+def time_graphs(ways: dict) -> dict:
+    """{way: median seconds per call}, ways: name -> (calls, setup), each captured as one graph; the replays
     alternate between the ways so that clock drift hits all alike."""
-    graphs = {name: capture(calls, setup) for name, setup in ways.items()}
+    graphs = {name: (capture(calls, setup), len(calls)) for name, (calls, setup) in ways.items()}
     ts: dict = {name: [] for name in ways}
     for i in range(WARMUP + REPS):
-        for name, graph in graphs.items():
+        for name, (graph, n) in graphs.items():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             graph.replay()
             b.record()
             b.synchronize()
             if i >= WARMUP:
-                ts[name].append(a.elapsed_time(b) * 1e-3 / len(calls))
+                ts[name].append(a.elapsed_time(b) * 1e-3 / n)
     return {name: statistics.median(v) for name, v in ts.items()}
 
 
@@ -230,6 +236,86 @@ def run_variants(dev: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# --rows: the Q8_0 projections of a batched decode step above 8 rows: matvec.q8_rows (packed blocks, f32
+# accurate; the default up to layer.BATCH_QROWS rows) vs the dense bf16 copy's GEMM (F.linear / bmm: the
+# path before it) vs the packed bf16 tiles (x rounded to bf16)
+
+ROW_BATCHES = (16, 32, 64)
+
+
+def _dense(w: PackedWeight, groups: int) -> torch.Tensor:
+    return (
+        ref._unpack(w).to(torch.bfloat16).reshape(groups, -1, w.K)
+        if groups > 1
+        else ref._unpack(w).bfloat16()
+    )
+
+
+def _row_ways(x: torch.Tensor, ws: list[PackedWeight], dense: list[torch.Tensor], groups: int) -> dict:
+    """name -> (calls, setup) of the three ways over the weight copies."""
+    nop = _fixup(True)
+    if groups > 1:
+        xg = x.view(x.shape[0], groups, -1)
+        xt = xg.transpose(0, 1)  # [G, B, K]: layer.grouped_output's bmm
+
+        def bmm(d: torch.Tensor) -> torch.Tensor:
+            return torch.bmm(xt.bfloat16(), d.transpose(1, 2)).float()
+
+        return {
+            "q8_rows": ([lambda w=w: mv.qmatvec_grouped(xg, w) for w in ws], nop),
+            "dense bf16": ([lambda d=d: bmm(d) for d in dense], nop),
+            "bf16 tiles": ([lambda w=w: mv.qmatvec_grouped(xg.bfloat16(), w) for w in ws], nop),
+        }
+    return {
+        "q8_rows": ([lambda w=w: mv.qmatvec(x, w) for w in ws], nop),
+        "dense bf16": ([lambda d=d: torch.nn.functional.linear(x.bfloat16(), d).float() for d in dense], nop),
+        "bf16 tiles": ([lambda w=w: mv.qmatvec(x.bfloat16(), w) for w in ws], nop),
+    }
+
+
+def run_rows(dev: torch.device) -> None:
+    """Per shape and B: q8_rows's error vs the twin (and the bf16 ways'), then the three ways timed in
+    alternating graph replays; last lines: per decode step (each shape x its count) and the VERDICT."""
+    gen = torch.Generator(dev).manual_seed(2)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    names = ("q8_rows", "dense bf16", "bf16 tiles")
+    print(
+        f"{'shape':11s}  B {'MB':>6s} | "
+        + " | ".join(f"{v:>10s} us" for v in names)
+        + " | err q8_rows / bf16"
+    )
+    step = {b: dict.fromkeys(names, 0.0) for b in ROW_BATCHES}
+    worst = 0.0
+    for label, n, k, groups, count in SHAPES:
+        copies = 2 if n * k > 100e6 else 8
+        ws = [random_q8(n, k, groups, gen) for _ in range(copies)]
+        dense = [_dense(w, groups) for w in ws]
+        mb = ws[0].nbytes() / 1e6
+        for b in ROW_BATCHES:
+            x = torch.randn(b, k * groups, device=dev, generator=gen)
+            xw = x.view(b, groups, -1) if groups > 1 else x
+            want = (ref.qmatvec_grouped(xw, ws[0]) if groups > 1 else ref.qmatvec(x, ws[0])).reshape(b, -1)
+            ways = _row_ways(x, ws, dense, groups)
+            got = {v: ways[v][0][0]().reshape(b, -1).float() for v in names}
+            if groups > 1:
+                got["dense bf16"] = got["dense bf16"].view(groups, b, n).transpose(0, 1).reshape(b, -1)
+            err = {v: rel(got[v], want) for v in names}
+            worst = max(worst, err["q8_rows"])
+            t = time_graphs(ways)
+            cols = [f"{t[v] * 1e6:13.1f}" for v in names]
+            errs = f"{err['q8_rows']:.1e} / {err['dense bf16']:.1e}"
+            print(f"{label:11s} {b:2d} {mb:6.1f} | " + " | ".join(cols) + f" | {errs}", flush=True)
+            for v in names:
+                step[b][v] += t[v] * count * 1e3
+        del ws, dense
+        torch.cuda.empty_cache()
+    print(f"max rel err of q8_rows vs twin {worst:.1e} ({'OK' if worst < 1e-5 else 'ABOVE 1e-5'})")
+    for b, ms in step.items():
+        print(f"per decode step, B={b}: " + ", ".join(f"{v} {t:.3f} ms" for v, t in ms.items()))
+        print(f"VERDICT rows B={b}: q8_rows {ms['q8_rows'] / ms['dense bf16']:.2f} x the dense bf16 time")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # --list and --compile-only: no GPU needed
 
 
@@ -247,7 +333,7 @@ _PTR |= {"out_ptr": "*fp32", "sum_ptr": "*fp32", "cnt_ptr": "*i32", "w_ptr": "*f
 
 # ints that are multiples of 16 at every Flash shape: Triton's launcher specializes such values as divisible
 # by 16 (what lets the quant loads vectorize), so the builds here mark them too
-_DIV16 = ("N", "K", "NG")
+_DIV16 = ("N", "K", "NG", "stride_x")
 
 
 def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "*i8"):
@@ -309,6 +395,13 @@ def compile_only() -> int:
         for bb, bn, dot, xt in ((1, 16, False, "*fp32"), (4, 4, False, "*fp32"), (16, 32, True, "*bf16")):
             consts = {"QT": 8, "BB": bb, "BN": bn, "TK": tk, "SW": tk, "USE_DOT": dot, "FIXUP": fix}
             runs.append((f"qmv tiles BB{bb} BN{bn}{' dot' * dot}", mv._qmv_kernel, consts, 4, xt, "*i8", 0))
+    rows = mv.Q8_ROWS
+    for bb in (16, 32, 64):
+        consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True}
+        wpt = rows.bn * 32 / (32 * rows.warps)
+        runs.append(
+            (f"q8_rows BB{bb} BN{rows.bn}", mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt)
+        )
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True}  # _split_fixup's other user
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))
     print(f"triton {triton.__version__}, sm_90")
@@ -341,6 +434,8 @@ def main() -> int:
     t0 = time.time()
     if "--variants" in sys.argv:
         run_variants(torch.device("cuda"))
+    elif "--rows" in sys.argv:
+        run_rows(torch.device("cuda"))
     else:
         run(torch.device("cuda"))
     print(f"({time.time() - t0:.0f} s)")

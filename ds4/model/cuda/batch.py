@@ -26,13 +26,13 @@ from ds4.model.attention import AttentionShape, CompressorWeights
 from ds4.model.cuda import fused
 from ds4.model.cuda.experts import combine_slots, local_slots, routed_decode, swiglu_mid
 from ds4.model.cuda.layer import (
-    DECODE_ROWS,
     _top_rows,
     attention_decode_pool,
     grouped_output,
     lin,
     pool_kernels,
     qmatvec_grouped,
+    reads_packed,
     route_decode,
     shared_gate_up,
 )
@@ -166,7 +166,7 @@ def attention_decode_batch(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos,
 def _grouped_output(o, out_a, out_b, groups: int):
     """grouped_output for B rows: the grouped packed matvec for decode-sized B, else the dense path."""
     B = o.shape[0]
-    if isinstance(out_a, QLinear) and B <= DECODE_ROWS:
+    if isinstance(out_a, QLinear) and reads_packed(B):
         pa = out_a.packed
         low = qmatvec_grouped(o.reshape(B, groups, -1), pa.view(groups, pa.N // groups, pa.K))  # [B, G, Ro]
         return lin(low.reshape(B, -1), out_b)

@@ -58,21 +58,28 @@ SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key tem
 
 
 DECODE_ROWS = 8  # activation rows up to which a QLinear uses the packed matvec kernel
-# Rows (above DECODE_ROWS) up to which a QLinear still reads its packed blocks, with bf16 activations (the
-# matvec kernel's tensor-core tiles), instead of its dense bf16 copy (about half the bytes): batched decode
-# steps of many sessions. 0: off (default, until GPU timings say otherwise; tools/gpu/batch_check.py times
-# it). Env DS4_BATCH_QROWS. Read when a step is built: recapture the graphs after changing it.
-BATCH_QROWS = int(os.environ.get("DS4_BATCH_QROWS", "0"))
+# Rows (above DECODE_ROWS) up to which a QLinear still reads its packed Q8_0 blocks with f32 activations
+# (matvec.q8_rows: tensor cores, f32-accurate) instead of its dense bf16 copy (prefill's GEMMs): batched
+# decode steps of many sessions. The bf16 copy rounds weights and activations to bf16, which put batched
+# decode at 16 rows ~3e-2 of the logit std off the single-session path on the H200 (session 4; 8 rows:
+# within 2e-2); the packed blocks are also half the bytes. 0: the dense copy above DECODE_ROWS (the old
+# path). Not yet timed on a GPU (tools/gpu/bench_q8.py --rows, tools/gpu/batch_check.py). Env
+# DS4_BATCH_QROWS. Read when a step is built: recapture the graphs after changing it.
+BATCH_QROWS = int(os.environ.get("DS4_BATCH_QROWS", "64"))
+
+
+def reads_packed(rows: int) -> bool:
+    """Whether a QLinear applied to `rows` activation rows reads its packed blocks (decode and batched decode)
+    rather than its dense copy (prefill)."""
+    return rows <= max(DECODE_ROWS, BATCH_QROWS)
 
 
 def lin(x: torch.Tensor, w: torch.Tensor | QLinear) -> torch.Tensor:
-    """x [T, in] f32 @ w[out, in]^T -> f32 [T, out]: the packed matvec kernel for few rows of a QLinear,
-    else a GEMM in the dense copy's dtype (tensor cores for bf16)."""
+    """x [T, in] f32 @ w[out, in]^T -> f32 [T, out]: the packed matvec kernels for decode-sized row counts
+    of a QLinear (reads_packed), else a GEMM in the dense copy's dtype (tensor cores for bf16)."""
     if isinstance(w, QLinear):
-        if x.shape[0] <= DECODE_ROWS:
+        if reads_packed(x.shape[0]):
             return qmatvec(x, w.packed)
-        if x.shape[0] <= BATCH_QROWS:
-            return qmatvec(x.to(torch.bfloat16), w.packed)
         w = w.dense
     if w.dtype == torch.float32:
         return F.linear(x, w)
