@@ -65,7 +65,17 @@ def _check_hc_pre(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool
 @pytest.mark.parametrize("fn_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_hc_pre_fused(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool) -> None:
-    _check_hc_pre(B, S, d, fn_dtype, with_norm, seed=B * 10 + S)
+    _check_hc_pre(B, S, d, fn_dtype, with_norm, seed=B * 10 + S)  # rows of <= HC_FINISH_BD: one pass
+
+
+@pytest.mark.parametrize(
+    ("bd", "d"), [(32, 200), (16, 64), (2048, 1100)], ids=["2pass", "2pass-exact", "1pass"]
+)
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_hc_pre_fused_finish_tiles(monkeypatch, bd: int, d: int, with_norm: bool) -> None:
+    """The finish kernel's two row walks: chunks of HC_FINISH_BD (re-read for the norm), one tile."""
+    monkeypatch.setattr(fused, "HC_FINISH_BD", bd)
+    _check_hc_pre(2, 4, d, torch.float32, with_norm, seed=d + bd)
 
 
 def test_hc_pre_twin_matches_reference() -> None:

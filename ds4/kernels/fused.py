@@ -30,6 +30,14 @@ FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
 FP8_BLOCK = 64
 HC_CHUNK = 128  # K elements per program of the split-K mixing projection (128 programs at Flash shapes)
+# The finish kernel (one program per row) walks the row in chunks of up to HC_FINISH_BD elements: rows of at
+# most HC_FINISH_BD (Flash: d = 4096 with 4096) take ONE pass with the stream sum held in registers for the
+# sublayer norm, instead of chunks of 1024 written, then re-read and normalised (a second pass behind a
+# barrier: the H200 profile gave this kernel 12 us a call, 86 calls per token); HC_FINISH_WARPS warps (16:
+# the [S, 4096] tile at 32 floats a thread). Defaults: the old two-pass chunks, until the H200 times both
+# (tools/gpu/bench_kernels.py --fused-only); sm_90 builds: bench_kernels.py --compile-only.
+HC_FINISH_BD = 1024
+HC_FINISH_WARPS = 4
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -66,8 +74,10 @@ def _hc_pre_finish(
     x_ptr, pmix_ptr, pss_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
     S, D, NS, iters, rms_eps, hc_eps,
     HAS_NORM: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BNS: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):  # fmt: skip
-    """One program per row b: mixing logits -> pre, post, comb (Sinkhorn in registers), x = sum pre X."""
+    """One program per row b: mixing logits -> pre, post, comb (Sinkhorn in registers), x = sum pre X.
+    ONE_PASS (BD >= D): the row as one tile, see HC_FINISH_BD."""
     b = tl.program_id(0)
     K = S * D
     n = tl.arange(0, BNS)
@@ -96,9 +106,18 @@ def _hc_pre_finish(
     m = (r < S) & (c < S)
     p = sinkhorn_tile(logit, r, m, S, iters, hc_eps)
     tl.store(comb_ptr + b * S * S + r * S + c, p, mask=m)
-    # weighted sum of the unnormalised streams (+ the sublayer RMSNorm: a second pass over the written row)
+    # weighted sum of the unnormalised streams (+ the sublayer RMSNorm)
     dd = tl.arange(0, BD)
-    sq = tl.zeros([BD], tl.float32)
+    if ONE_PASS:  # the whole row in one tile: the norm from registers
+        dm = dd < D
+        xs = tl.load(x_ptr + b * K + i[:, None] * D + dd[None, :], mask=im[:, None] & dm[None, :], other=0.0)
+        xv = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0)
+        if HAS_NORM:
+            rn = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / D + rms_eps)
+            xv = xv * rn * tl.load(norm_ptr + dd, mask=dm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + b * D + dd, xv, mask=dm)
+        return
+    sq = tl.zeros([BD], tl.float32)  # chunks of BD: written, then (norm) re-read in a second pass
     for d0 in range(0, D, BD):
         dm = (d0 + dd) < D
         xs = tl.load(
@@ -141,6 +160,7 @@ def hc_pre_fused(
         return ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm)
     X = X.contiguous()
     K, BM, NS = S * d, triton.next_power_of_2(M), triton.cdiv(S * d, HC_CHUNK)
+    BD = triton.next_power_of_2(d) if d <= HC_FINISH_BD else min(1024, HC_FINISH_BD)
     pmix = torch.empty(B, NS, BM, device=X.device, dtype=torch.float32)
     pss = torch.empty(B, NS, device=X.device, dtype=torch.float32)
     x = torch.empty(B, d, device=X.device, dtype=torch.float32)
@@ -152,8 +172,8 @@ def hc_pre_fused(
             X, pmix, pss, scale.float().contiguous(), base.float().contiguous(),
             norm if norm is not None else x, x, post, comb,
             S, d, NS, iters, float(rms_eps), float(hc_eps),
-            HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S),
-            BD=min(1024, triton.next_power_of_2(d)), BNS=min(32, triton.next_power_of_2(NS)), num_warps=4,
+            HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S), BD=BD,
+            BNS=min(32, triton.next_power_of_2(NS)), ONE_PASS=BD >= d, num_warps=HC_FINISH_WARPS,
         )  # fmt: skip
     return x, post, comb
 

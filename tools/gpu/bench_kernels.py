@@ -5,6 +5,7 @@ On the H200:   python tools/gpu/bench_kernels.py [--quick] [--sweep]
   it with triton.testing.do_bench (median) and prints achieved GB/s of weight bytes vs the 4.3 TB/s ceiling
   (decode) or TFLOP/s vs cuBLAS bf16 on the same shape (prefill). --sweep also times the alternatives of
   the fixed kernel configurations (split-K target, expert rows per program, prefill tile).
+               python tools/gpu/bench_kernels.py --fused-only   (the fused decode ops alone, B = 1)
 Anywhere (no GPU): python tools/gpu/bench_kernels.py --compile-only
   compiles every launch configuration of the ops for sm_90 with Triton's bundled ptxas and prints registers,
   spills and shared memory per kernel.
@@ -216,8 +217,18 @@ def _fused_cases(dev, gen):
         wts = probs.gather(1, ids)
         return ids.int(), wts / wts.sum(-1, keepdim=True) * 2.5
 
+    def pre_one_pass():  # the finish kernel's one-pass row (fused.HC_FINISH_BD / HC_FINISH_WARPS)
+        saved = fused.HC_FINISH_BD, fused.HC_FINISH_WARPS
+        fused.HC_FINISH_BD, fused.HC_FINISH_WARPS = d, 16
+        try:
+            return fused.hc_pre_fused(X, fn, scale, base, it, eps, eps, norm)
+        finally:
+            fused.HC_FINISH_BD, fused.HC_FINISH_WARPS = saved
+
     return [
         ("hc_pre + norm", lambda: fused.hc_pre_fused(X, fn, scale, base, it, eps, eps, norm), pre_eager,
+         lambda: old.hc_pre_norm(X, fn, scale, base, norm, it, eps, eps), 2e-5),
+        ("hc_pre + norm 1 pass", pre_one_pass, pre_eager,
          lambda: old.hc_pre_norm(X, fn, scale, base, norm, it, eps, eps), 2e-5),
         ("hc_post", lambda: fused.hc_post_fused(f, X, post, comb), lambda: hc.hc_post(f, X, post, comb),
          lambda: old.hc_post(f, X, post, comb), 2e-5),
@@ -485,6 +496,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes and smaller prefill shapes")
     ap.add_argument("--sweep", action="store_true", help="also time alternative kernel configurations")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under Triton's interpreter")
+    ap.add_argument("--fused-only", action="store_true", help="only the fused decode ops (B = 1)")
     args = ap.parse_args()
     if args.compile_only:
         os.environ.pop("TRITON_INTERPRET", None)
@@ -495,6 +507,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: use --compile-only here, or run on the GPU machine", file=sys.stderr)
         return 2
+    if args.fused_only:
+        return run_fused(torch.device("cuda"), torch.Generator("cuda").manual_seed(0))
     rc = run_gpu(args.quick)
     if args.sweep:
         sweep()
