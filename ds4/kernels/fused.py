@@ -17,6 +17,8 @@ round trip is bit-exact (power-of-two scale from the exponent bits, RNE by the 2
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,9 +37,10 @@ HC_CHUNK = 128  # K elements per program of the split-K mixing projection (128 p
 # sublayer norm, instead of chunks of 1024 written, then re-read and normalised (a second pass behind a
 # barrier: the H200 profile gave this kernel 12 us a call, 86 calls per token); HC_FINISH_WARPS warps (16:
 # the [S, 4096] tile at 32 floats a thread). Defaults: the old two-pass chunks, until the H200 times both
-# (tools/gpu/bench_kernels.py --fused-only); sm_90 builds: bench_kernels.py --compile-only.
-HC_FINISH_BD = 1024
-HC_FINISH_WARPS = 4
+# (tools/gpu/bench_kernels.py --fused-only); sm_90 builds: bench_kernels.py --compile-only. Env
+# DS4_HC_FINISH_BD / DS4_HC_FINISH_WARPS, for whole-model A/B runs.
+HC_FINISH_BD = int(os.environ.get("DS4_HC_FINISH_BD", "1024"))
+HC_FINISH_WARPS = int(os.environ.get("DS4_HC_FINISH_WARPS", "4"))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -370,7 +370,16 @@ class Q8Config:
 # tools/gpu/tune_decode.py times the alternatives: on an H200 (2026-11-29) this tile gave the lowest sum over
 # a decode step's Q8_0 shapes (5.9 ms cold-L2 vs 14.4 ms for the general kernel; stages 3, 4/16/32 rows, 256
 # or 1024-element tiles were 0-60 % slower).
-Q8_MV1 = Q8Config(bn=8, tk=512, warps=4, stages=1, target=2112)
+# Env DS4_Q8_XDIRECT=1 / DS4_Q8_MAGIC=1: the code variants (Q8Config), for whole-model A/B runs.
+Q8_MV1 = Q8Config(
+    bn=8,
+    tk=512,
+    warps=4,
+    stages=1,
+    target=2112,
+    xdirect=os.environ.get("DS4_Q8_XDIRECT", "0") == "1",
+    magic=os.environ.get("DS4_Q8_MAGIC", "0") == "1",
+)
 
 
 @triton.jit

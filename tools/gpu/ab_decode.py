@@ -1,0 +1,111 @@
+"""Whole-model decode A/B of the kernel variants that are switches (one process, one synthetic model).
+
+On the H200:  PYTHONPATH=. python3 tools/gpu/ab_decode.py [--ctx 4096] [--tokens 64] [--rounds 3]
+
+Builds the full synthetic Flash q2 once, prefills --ctx tokens (4,096: 1,024 compressed rows, so the
+indexer selects its top 512), then for each variant sets its module switches, drops the state's decode
+graph (the next step recaptures it with the switch in force), restores the prefilled state and times
+--tokens greedy steps through the graph. The variants take turns for --rounds rounds (drift hits all
+alike); per variant: the median tok/s and its ratio to the default, then one VERDICT line per variant.
+Variants (each off by default in the engine; env names in brackets):
+  q8 xdirect      matvec.Q8_MV1.xdirect     (DS4_Q8_XDIRECT=1)  x loaded into the weight tile's layout
+  q8 magic        matvec.Q8_MV1.magic       (DS4_Q8_MAGIC=1)    int8 -> f32 without I2F
+  hc 1 pass       fused.HC_FINISH_BD / _WARPS = 4096 / 16  (DS4_HC_FINISH_BD, DS4_HC_FINISH_WARPS)
+  indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
+  all             every switch above at once
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from ds4.bench import synthetic_model  # noqa: E402
+from ds4.kernels import fused  # noqa: E402
+from ds4.kernels import matvec as mv  # noqa: E402
+from ds4.model.cuda import layer  # noqa: E402
+
+BASE_Q8 = mv.Q8_MV1
+SWITCHES = {  # variant -> {(module, attribute): value}
+    "q8 xdirect": {(mv, "Q8_MV1"): replace(BASE_Q8, xdirect=True)},
+    "q8 magic": {(mv, "Q8_MV1"): replace(BASE_Q8, magic=True)},
+    "hc 1 pass": {(fused, "HC_FINISH_BD"): 4096, (fused, "HC_FINISH_WARPS"): 16},
+    "indexer topk": {(layer, "INDEXER_TOPK"): True},
+}
+SWITCHES["all"] = {
+    (mv, "Q8_MV1"): replace(BASE_Q8, xdirect=True, magic=True),
+    (fused, "HC_FINISH_BD"): 4096,
+    (fused, "HC_FINISH_WARPS"): 16,
+    (layer, "INDEXER_TOPK"): True,
+}
+DEFAULTS = {key: getattr(*key) for sw in SWITCHES.values() for key in sw}
+
+
+def apply(variant: str) -> None:
+    for (mod, attr), value in DEFAULTS.items():
+        setattr(mod, attr, value)
+    for (mod, attr), value in SWITCHES.get(variant, {}).items():
+        setattr(mod, attr, value)
+
+
+def decode_tps(model, state, base, first: int, n: int) -> float:
+    """Greedy tok/s of n steps from the prefilled state, through a graph captured under the current
+    switches (a warm-up of 2 steps compiles and captures it)."""
+    state._runner = None  # recapture: a graph keeps the kernels chosen when it was captured
+    state.copy_from(base)
+    model.decode_greedy(state, first, 2)
+    state.copy_from(base)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.decode_greedy(state, first, n)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("ab_decode: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    model = synthetic_model("q2")
+    print(f"synthetic Flash q2 built in {time.perf_counter() - t0:.1f} s; {torch.cuda.get_device_name()}")
+    state = model.new_state(a.ctx + 2 * a.tokens + 8)
+    vocab = model.cfg.n_vocab
+    with torch.inference_mode():
+        logits = model.forward(state, [(i * 7919 + 13) % vocab for i in range(a.ctx)])
+    base, first = state.clone(), int(logits.argmax())
+    variants = ["default", *SWITCHES]
+    tps: dict[str, list[float]] = {v: [] for v in variants}
+    with torch.inference_mode():
+        for r in range(a.rounds):
+            for v in variants:
+                apply(v)
+                tps[v].append(decode_tps(model, state, base, first, a.tokens))
+            print(f"round {r + 1}: " + ", ".join(f"{v} {tps[v][-1]:.1f}" for v in variants), flush=True)
+    apply("default")
+    ref = statistics.median(tps["default"])
+    print(f"decode at {a.ctx} ctx, median of {a.rounds} x {a.tokens} tokens (tok/s):")
+    for v in variants:
+        med = statistics.median(tps[v])
+        print(f"  {v:14s} {med:7.2f}  x{med / ref:.3f}")
+    for v in variants[1:]:
+        med = statistics.median(tps[v])
+        print(f"VERDICT {v}: {'faster' if med > ref * 1.01 else 'not faster'} ({med:.2f} vs {ref:.2f} tok/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
