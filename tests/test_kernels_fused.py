@@ -97,6 +97,24 @@ def test_hc_post_fused(B: int, S: int, d: int) -> None:
     assert _max_rel(ref.hc_post_fused(f, X, post, comb), want) < 1e-6
 
 
+@pytest.mark.parametrize("B,k,d", [(1, 6, 64), (3, 1, 1100), (2, 4, 200)])
+def test_hc_post_fused_with_parts(B: int, k: int, d: int) -> None:
+    """The routed experts' per-slot outputs folded in: the sublayer output is sum_j parts[:, j] + f."""
+    g = _gen(d + k)
+    f, X, parts = (
+        torch.randn(B, d, generator=g),
+        torch.randn(B, 4, d, generator=g),
+        torch.randn(B, k, d, generator=g),
+    )
+    post, comb = torch.rand(B, 4, generator=g) * 2, torch.rand(B, 4, 4, generator=g)
+    got = fused.hc_post_fused(*(t.to(DEVICE) for t in (f, X, post, comb, parts)))
+    want = hc.hc_post(parts.double().sum(1) + f.double(), X.double(), post.double(), comb.double())
+    assert _max_rel(got, want) < 1e-6
+    assert _max_rel(ref.hc_post_fused(f, X, post, comb, parts), want) < 1e-6
+    with pytest.raises(ValueError, match="parts must be"):
+        fused.hc_post_fused(f, X, post, comb, parts[:, :, :-1])
+
+
 def _positions(B: int, seed: int) -> torch.Tensor:
     return torch.cat([torch.tensor([0, 1, 65535]), torch.randint(0, 1 << 20, (B,), generator=_gen(seed))])[:B]
 

@@ -186,8 +186,12 @@ def hc_pre_fused(
 
 
 @triton.jit
-def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, S, D, BS: tl.constexpr, BD: tl.constexpr):
-    """Program (b, block of d): out[b, dst, :] = post[dst] * f + sum_src comb[src, dst] * X[src, :]."""
+def _hc_post_kernel(
+    f_ptr, parts_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, S, D, n_parts,
+    BS: tl.constexpr, BD: tl.constexpr, PARTS: tl.constexpr,
+):  # fmt: skip
+    """Program (b, block of d): out[b, dst, :] = post[dst] * f + sum_src comb[src, dst] * X[src, :]; PARTS:
+    f = sum_j parts[b, j, :] (j in order) + f[b, :]."""
     b = tl.program_id(0)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = dd < D
@@ -200,24 +204,45 @@ def _hc_post_kernel(f_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, S, D, BS: tl.cons
         acc += cs[:, None] * xs[None, :]
     post = tl.load(post_ptr + b * S + i, mask=im, other=0.0)
     f = tl.load(f_ptr + b * D + dd, mask=dm, other=0.0).to(tl.float32)
+    if PARTS:
+        row = parts_ptr + b.to(tl.int64) * n_parts * D + dd
+        psum = tl.load(row, mask=dm, other=0.0).to(tl.float32)
+        for j in range(1, n_parts):
+            psum += tl.load(row + j * D, mask=dm, other=0.0).to(tl.float32)
+        f = psum + f
     out = post[:, None] * f[None, :] + acc
     tl.store(out_ptr + (b * S + i[:, None]) * D + dd[None, :], out, mask=im[:, None] & dm[None, :])
 
 
-def hc_post_fused(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """f [B, d], X [B, S, d], post [B, S], comb [B, S, S] -> X' [B, S, d] f32 (= ds4.model.hc.hc_post)."""
+def hc_post_fused(
+    f: torch.Tensor,
+    X: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    parts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """f [B, d], X [B, S, d], post [B, S], comb [B, S, S] -> X' [B, S, d] f32 (= ds4.model.hc.hc_post).
+    parts [B, k, d] (k >= 1): the sublayer output is sum_j parts[:, j] (in order) + f: the routed experts'
+    per-slot outputs folded in here instead of a sum and an add of their own (two launches a layer)."""
     _check(X.ndim == 3, f"hc_post_fused: X must be [B, S, d], got {tuple(X.shape)}")
     B, S, d = X.shape
     _check(tuple(f.shape) == (B, d), f"hc_post_fused: f must be {(B, d)}, got {tuple(f.shape)}")
     _check(tuple(post.shape) == (B, S) and tuple(comb.shape) == (B, S, S), "hc_post_fused: post/comb shape")
+    if parts is not None:
+        _check(
+            parts.ndim == 3 and parts.shape[0] == B and parts.shape[2] == d and parts.shape[1] >= 1,
+            f"hc_post_fused: parts must be [{B}, k >= 1, {d}], got {tuple(parts.shape)}",
+        )
     if not _use_triton(X):
-        return ref.hc_post_fused(f, X, post, comb)
+        return ref.hc_post_fused(f, X, post, comb, parts)
     out = torch.empty(B, S, d, device=X.device, dtype=torch.float32)
     BD = min(512, triton.next_power_of_2(d))
+    f = f.contiguous()
     if B:
         _hc_post_kernel[(B, triton.cdiv(d, BD))](
-            f.contiguous(), X.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
-            S, d, BS=triton.next_power_of_2(S), BD=BD, num_warps=4,
+            f, parts.contiguous() if parts is not None else f, X.contiguous(), post.float().contiguous(),
+            comb.float().contiguous(), out, S, d, parts.shape[1] if parts is not None else 0,
+            BS=triton.next_power_of_2(S), BD=BD, PARTS=parts is not None, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -261,11 +261,16 @@ def hc_pre_fused(X, fn, scale, base, iters: int, rms_eps: float, hc_eps: float, 
     return (x if norm is None else _rms(x, rms_eps) * norm.float()), post, c
 
 
-def hc_post_fused(f, X, post, comb):
-    """X'[b, dst] = post[b, dst] * f[b] + sum_src comb[b, src, dst] * X[b, src]: [B, S, d] f32."""
-    return post.float()[:, :, None] * f.float()[:, None, :] + torch.einsum(
-        "bsd,bst->btd", X.float(), comb.float()
-    )
+def hc_post_fused(f, X, post, comb, parts=None):
+    """X'[b, dst] = post[b, dst] * f[b] + sum_src comb[b, src, dst] * X[b, src]: [B, S, d] f32. parts
+    [B, k, d]: summed over k in order, then f added (f <- sum_j parts[:, j] + f)."""
+    f = f.float()
+    if parts is not None:
+        acc = parts[:, 0].float()
+        for j in range(1, parts.shape[1]):
+            acc = acc + parts[:, j].float()
+        f = acc + f
+    return post.float()[:, :, None] * f[:, None, :] + torch.einsum("bsd,bst->btd", X.float(), comb.float())
 
 
 def _rope(y: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from ds4 import dist
 from ds4.kernels import ref as kernel_ref
 from ds4.model.attention import AttentionShape, CompressorWeights
 from ds4.model.cuda import fused
-from ds4.model.cuda.experts import combine_slots, local_slots, routed_decode, swiglu_mid
+from ds4.model.cuda.experts import local_slots, reduce_slots, routed_decode, swiglu_mid
 from ds4.model.cuda.layer import (
     _top_rows,
     attention_decode_pool,
@@ -174,22 +174,24 @@ def _grouped_output(o, out_a, out_b, groups: int):
 
 
 def _routed(xf, ids, weights, m, clamp):
-    """Routed experts of B rows: grouped by expert (bf16 GEMMs from GROUPED_ROWS rows, int8 kernels from
-    MOE_GROUPED_MIN_ROWS rows) or the gathered-expert kernels on [B] rows; the torch Packed path is one row
-    at a time (CPU / no kernels)."""
+    """Routed experts of B rows, per slot [B, k, d] (summed over the ranks, not over the slots: the HC post
+    kernel sums them, experts.reduce_slots): grouped by expert (bf16 GEMMs from GROUPED_ROWS rows, int8
+    kernels from MOE_GROUPED_MIN_ROWS rows) or the gathered-expert kernels on [B] rows; the torch Packed
+    path is one row at a time (CPU / no kernels)."""
     if not isinstance(m.gate_exps, Packed):
         B = xf.shape[0]
         if 0 < GROUPED_ROWS <= B and moe_grouped is not None:
             return _routed_grouped(xf, ids, weights, m, clamp)
         if 0 < MOE_GROUPED_MIN_ROWS <= B and _int8_grouped(m):
             return _routed_int8_grouped(xf, ids, weights, m, clamp)
-        return routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp)
+        return routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, per_slot=True)
     rows = [
         routed_decode(
-            xf[b : b + 1], ids[b : b + 1], weights[b : b + 1], m.gate_exps, m.up_exps, m.down_exps, clamp
+            xf[b : b + 1], ids[b : b + 1], weights[b : b + 1], m.gate_exps, m.up_exps, m.down_exps, clamp,
+            per_slot=True,
         )
         for b in range(xf.shape[0])
-    ]
+    ]  # fmt: skip
     return torch.cat(rows)
 
 
@@ -200,22 +202,22 @@ def _int8_grouped(m) -> bool:
 
 
 def _routed_int8_grouped(xf, ids, weights, m, clamp):
-    """The int8 kernels grouped by expert: xf [B, d], ids/weights [B, k] -> [B, d]. Expert parallel: the
-    stacks hold this rank's E/N experts; other ranks' ids fall outside [0, E/N) and add nothing (the kernels'
-    sentinel run). The per-slot terms [B, k, d] are summed over the ranks, then over the slots in fixed order
-    (experts.combine_slots: each term is made on one rank, so bit-exact to one GPU)."""
+    """The int8 kernels grouped by expert: xf [B, d], ids/weights [B, k] -> per slot [B, k, d]. Expert
+    parallel: the stacks hold this rank's E/N experts; other ranks' ids fall outside [0, E/N) and add nothing
+    (the kernels' sentinel run). The per-slot terms are summed over the ranks (experts.reduce_slots; the
+    slots are summed later in fixed order: each term is made on one rank, so bit-exact to one GPU)."""
     n_local = m.gate_exps.shape[0]
     local = ids - dist.rank() * n_local if dist.active() else ids
     per_slot = kgrouped.moe_routed_grouped(
         xf, local, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, per_slot=True
     )
-    return combine_slots(per_slot)
+    return reduce_slots(per_slot)
 
 
 def _routed_grouped(xf, ids, weights, m, clamp):
     """Routed experts of B rows as grouped GEMMs: pairs (row, slot) sorted by expert, no host sync.
-    xf [B, d], ids/weights [B, k] -> [B, d]. Expert parallel: other ranks' experts get weight 0 (local_slots);
-    the per-slot terms are summed over the ranks, then over the slots in fixed order (deterministic)."""
+    xf [B, d], ids/weights [B, k] -> per slot [B, k, d]. Expert parallel: other ranks' experts get weight 0
+    (local_slots); the per-slot terms are summed over the ranks (the slots later, in fixed order)."""
     B, k = ids.shape
     ids, weights = local_slots(ids, weights, m.gate_exps.shape[0])
     order, offsets = group_by_expert(ids, m.gate_exps.shape[0])  # [B k], [E + 1]
@@ -227,7 +229,7 @@ def _routed_grouped(xf, ids, weights, m, clamp):
     per_slot = torch.empty(B * k, out.shape[1], dtype=torch.float32, device=xf.device).index_copy_(
         0, order, out
     )
-    return combine_slots(per_slot.view(B, k, -1))
+    return reduce_slots(per_slot.view(B, k, -1))
 
 
 def decode_layer_batch(blk, kv, X, tokens, pos, slot):
@@ -245,6 +247,6 @@ def decode_layer_batch(blk, kv, X, tokens, pos, slot):
     weights, ids = route_decode(
         m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
-    y = _routed(xf, ids, weights, m, clamp)
-    y = y + lin(swiglu_mid(*shared_gate_up(xf, m, side), clamp), m.down_sh)
-    return fused.hc_post(y, X, post, comb)
+    routed = _routed(xf, ids, weights, m, clamp)  # [B, k, d] per slot
+    shared = lin(fused.swiglu_mid(*shared_gate_up(xf, m, side), clamp), m.down_sh)
+    return fused.hc_post(shared, X, post, comb, routed)  # the sublayer output: sum of the slots + shared

@@ -99,13 +99,28 @@ def combine_slots(per_slot: torch.Tensor) -> torch.Tensor:
     GPU: expert-parallel outputs equal the single-GPU ones bit for bit, and runs repeat exactly (no atomics).
     Summing per rank first would round differently, which the model's FP8 / FP4 steps and the indexer's top-k
     turn into visibly different tokens within a few layers."""
-    return dist.all_reduce_(per_slot).sum(1)
+    return reduce_slots(per_slot).sum(1)
+
+
+def reduce_slots(per_slot: torch.Tensor) -> torch.Tensor:
+    """combine_slots before its slot sum: [T, k, d] summed over the ranks (one process: unchanged), for a
+    consumer that sums the k slots itself in a fixed order (the decode step's fused HC post)."""
+    return dist.all_reduce_(per_slot)
 
 
 def routed_decode(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Packed, up: Packed, down: Packed, clamp
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate: Packed,
+    up: Packed,
+    down: Packed,
+    clamp,
+    per_slot: bool = False,
 ) -> torch.Tensor:
-    """x [B, d], ids [B, k] (device), weights [B, k] -> [B, d]: sum_j w_j down_j(swiglu(gate_j x, up_j x))."""
+    """x [B, d], ids [B, k] (device), weights [B, k] -> [B, d]: sum_j w_j down_j(swiglu(gate_j x, up_j x));
+    per_slot: the terms [B, k, d] unsummed (reduce_slots)."""
+    finish = reduce_slots if per_slot else combine_slots
     B, k = ids.shape
     ids, weights = local_slots(ids, weights, _n_stack(gate))
     if not isinstance(gate, Packed):  # PackedWeight stacks: the fused gather kernels
@@ -115,7 +130,7 @@ def routed_decode(
         pairs = kmoe.moe_down(
             mid.reshape(B * k, 1, -1), weights.reshape(B * k, 1), down, ids32.reshape(-1, 1)
         )
-        return combine_slots(pairs.view(B, k, -1))
+        return finish(pairs.view(B, k, -1))
     out = []
     for b in range(B):  # torch Packed path (CPU): one row at a time
         sel = ids[b]
@@ -124,7 +139,7 @@ def routed_decode(
         mid = swiglu_mid(g @ x[b], u @ x[b], clamp) * weights[b, :, None]  # [k, F]
         dn = decode_rows(down.data.index_select(0, sel), down.qtype, down.cols)  # [k, d, F]
         out.append(torch.einsum("kdf,kf->kd", dn, mid))
-    return combine_slots(torch.stack(out))
+    return finish(torch.stack(out))
 
 
 def routed_prefill(

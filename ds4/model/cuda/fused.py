@@ -121,10 +121,13 @@ def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: fl
     return _hc_collapse(pre, X, norm, rms_eps), post, comb
 
 
-def hc_post(f, X, post, comb):
-    """X' [1, S, d] from the sublayer output f [1, d] (ds4.model.hc.hc_post)."""
+def hc_post(f, X, post, comb, parts=None):
+    """X' [B, S, d] from the sublayer output f [B, d] (ds4.model.hc.hc_post); parts [B, k, d]: the output
+    is sum_j parts[:, j] + f (ds4.kernels.fused.hc_post_fused folds that sum into its launch)."""
     if TRITON_FUSED:
-        return _kf.hc_post_fused(f, X, post, comb)
+        return _kf.hc_post_fused(f, X, post, comb, parts)
+    if parts is not None:
+        f = parts.sum(1) + f
     return _hc_post(f, X, post, comb)
 
 

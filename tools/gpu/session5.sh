@@ -1,0 +1,44 @@
+#!/bin/bash
+# Device calls for what session 5 built without a GPU (no device time was left): every new kernel and switch
+# is tested and compiled for sm_90 here, none is timed. One part per call (each within the 10-minute limit):
+#   part a: GPU tests of the changed kernels (q8_mv1 variants, q8_rows, the one-pass HC finish) and the
+#           whole model vs the CPU reference, then their benches: bench_q8 --variants (B = 1), --rows
+#           (B = 16/32/64: q8_rows vs the dense bf16 GEMM it replaced), bench_kernels --fused-only;
+#   part b: batched decode with q8_rows (check B = 8, 16 against the 2e-2 bar that B = 16 failed in session
+#           4; time B = 1, 16, 32, and B = 32 on the old dense path), then the whole-model A/B of the
+#           switches (tools/gpu/ab_decode.py) and the ds4-bench sweep 2k -> 8k (2 repeats, medians).
+# Then: flip the defaults whose VERDICT says faster (matvec.Q8_MV1, fused.HC_FINISH_BD / _WARPS,
+# layer.INDEXER_TOPK), and revert layer.BATCH_QROWS to 0 if bench_q8 --rows / batch_check say q8_rows is slower
+# than the dense path by more than its precision is worth. Needs .gpu/shared carried (fixtures + bench text).
+# Logs land in $OUT.  Usage: bash tools/gpu/session5.sh a|b
+export PYTHONPATH=. PYTHONUNBUFFERED=1 DS4_SHARED=$PWD/.gpu/shared DS4_TEST_CACHE=/tmp/ds4-cache
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+left() { echo $((${BUDGET:-570} - $(date +%s) + T0)); }
+run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, print its tail
+  local name=$1 secs=$2
+  shift 2
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name (rc $?, $(( $(date +%s) - T0 )) s into the call)"
+  grep -v -i "warn" "$OUT/$name.log" | tail -n "${TAIL:-14}"
+}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ "$1" = a ]; then
+  TAIL=8 run ktests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    tests/test_kernels_fused.py -k "q8 or magic or fixup or flash or hc_pre"
+  TAIL=8 run model 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
+    tests/test_cuda_batch.py
+  TAIL=14 run q8var 70 python3 tools/gpu/bench_q8.py --variants
+  TAIL=36 run q8rows 110 python3 tools/gpu/bench_q8.py --rows
+  TAIL=10 run fused "$(left)" python3 tools/gpu/bench_kernels.py --fused-only
+else
+  TAIL=22 run batch 260 python3 tools/gpu/batch_check.py --batches 1,16,32 --check-batches 8,16 \
+    --check-steps 4 --repeats 2 --plain
+  TAIL=4 run batchold 90 env DS4_BATCH_QROWS=0 python3 tools/gpu/batch_check.py --skip-check --batches 32 \
+    --repeats 2 --plain
+  TAIL=16 run ab 150 python3 tools/gpu/ab_decode.py --rounds 3
+  TAIL=8 run sweep "$(left)" python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
+    --step-mul 4 -n 64 --repeats 2 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
+fi
