@@ -158,14 +158,17 @@ def test_batch_routed_takes_grouped_path_and_expert_parallel(monkeypatch):
     monkeypatch.setattr(
         batch.kgrouped, "moe_routed_grouped", lambda *a, **kw: calls.append(1) or spy(*a, **kw)
     )
-    monkeypatch.setattr(batch, "routed_decode", lambda x, *a: torch.zeros(x.shape[0], 16, device=x.device))
+    monkeypatch.setattr(  # the pair path's per-slot terms [B, k, d]
+        batch, "routed_decode", lambda x, *a, **kw: torch.zeros(x.shape[0], 2, 16, device=x.device)
+    )
     ids_g = [[5, 9], [1, 5], [7, 7], [0, 6], [9, 2], [5, 3], [8, 5], [4, 6]]  # global ids of 2 x 5 experts
     wg, wu, wd, ids, x, _, weights = _case(256, 256, 16, ids_g, 90)
     m = SimpleNamespace(gate_exps=wg, up_exps=wu, down_exps=wd)
     fake = SimpleNamespace(active=lambda: True, rank=lambda: 1, all_reduce_=lambda t: t)
     monkeypatch.setattr(batch, "dist", fake)
-    got = batch._routed(x, ids, weights, m, 10.0)
-    assert calls == [1]
+    got = batch._routed(x, ids, weights, m, 10.0)  # per slot [B, k, d]: the HC post kernel sums the slots
+    assert calls == [1] and got.shape == (8, 2, 16)
+    got = got.sum(1)
     local = ids - E
     own = (local >= 0) & (local < E)
     safe = torch.where(own, local, 0)
@@ -173,6 +176,6 @@ def test_batch_routed_takes_grouped_path_and_expert_parallel(monkeypatch):
     assert rel_err(got, want) < CHAIN_TOL
     assert not torch.equal(own, torch.ones_like(own))  # some pairs are other ranks'
     assert torch.equal(
-        batch._routed(x[:7], ids[:7], weights[:7], m, 10.0), torch.zeros(7, 16, device=DEVICE)
+        batch._routed(x[:7], ids[:7], weights[:7], m, 10.0), torch.zeros(7, 2, 16, device=DEVICE)
     )  # pair path
     assert calls == [1]
