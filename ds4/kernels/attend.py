@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import PDL, pdl_wait
 from .dispatch import require as _check
 from .dispatch import use_triton as _use_triton
 
@@ -128,6 +129,7 @@ def _attend_partial(
     Key j < W is ring row j (visible iff j <= pos: below W the ring is not yet full); key j >= W is
     compressed row c = comp_idx[b, j - W] (or j - W), visible iff c < (pos + 1) // ratio. Invisible keys are
     never loaded (masked to 0) and score -inf. Writes pm/pl [B, NS, H] and po [B, NS, H, D]."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     sp = tl.program_id(1)
     NS = tl.num_programs(1)
@@ -187,6 +189,7 @@ def _attend_merge(
     """Program (b, h): o = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)) with M the max
     of the m_s and the sink, then inverse RoPE at pos[b] on the last R dims. The row is handled as its BP
     adjacent pairs (even, odd dims)."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BS)
@@ -251,11 +254,13 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
         pm, pl, po, H, D, W, cap, NC, max(int(ratio), 1), float(scale), per_split,
         HAS_COMP=comp is not None, HAS_IDX=comp_idx is not None, BH=ATTEND_BH, BN=ATTEND_BN,
         BD=triton.next_power_of_2(D), PREC=DOT_PRECISION, num_warps=ATTEND_WARPS,
+        launch_pdl=PDL,
     )  # fmt: skip
     _attend_merge[(B, H)](
         pm, pl, po, sinks.float().contiguous(), pos.contiguous(), inv_freq.float().contiguous(), out,
         NS, H, D, 2 * inv_freq.numel(), BS=triton.next_power_of_2(NS), BP=triton.next_power_of_2(D // 2),
         num_warps=4,
+        launch_pdl=PDL,
     )  # fmt: skip
     return out
 
@@ -273,6 +278,7 @@ def _indexer_kernel(
     """Program (b, block of BC rows): the row's query held once, its rows scored BCI at a time (a wider
     FMA dot spills on sm_90). Sub-blocks wholly past count[b] read nothing and store -inf. BF16: bf16
     operands on the tensor cores (exact for the QAT'd values, see INDEX_BF16), else PREC."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     count = tl.minimum(tl.load(count_ptr + b).to(tl.int32), cap)
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -383,6 +389,7 @@ def indexer_scores(
             count.contiguous(), out, Hi, Di, cap, BH=max(16, triton.next_power_of_2(Hi)), BC=INDEX_BC,
             BCI=INDEX_BCI, BD=max(16, triton.next_power_of_2(Di)), PREC=DOT_PRECISION, BF16=INDEX_BF16,
             num_warps=INDEX_WARPS,
+            launch_pdl=PDL,
         )  # fmt: skip
     return out
 

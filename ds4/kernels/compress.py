@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import ref
+from .dispatch import PDL, pdl_wait
 from .dispatch import require as _check
 from .dispatch import use_triton as _use_triton
 from .fused import _round_e4m3
@@ -97,6 +98,7 @@ def _compress_decode_kernel(
     BW: tl.constexpr,
 ):  # fmt: skip
     """Program b: token b into frontier slot[b], the pooled row, the store of a finished window, the shift."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     NC: tl.constexpr = C * R  # candidates = frontier rows
     W: tl.constexpr = C * H  # frontier width
@@ -291,6 +293,7 @@ def compress_decode(
         R=r, H=h, NROT=n_rot, C=c, INDEXER=bool(indexer), HAS_SLOT=slot is not None,
         LOG2H=max(1, h.bit_length() - 1), CH=min(max(1, TILE // BH), triton.next_power_of_2(c * r)),
         SH=min(max(1, TILE // BW), triton.next_power_of_2(r)), BH=BH, BW=BW, num_warps=8 if h >= 512 else 4,
+        launch_pdl=PDL,
     )  # fmt: skip
 
 

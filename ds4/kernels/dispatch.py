@@ -1,10 +1,13 @@
-"""The two checks every kernel module's dispatcher makes (one place for all of ds4.kernels)."""
+"""The two checks every kernel module's dispatcher makes, and the decode kernels' launch mode (one place for
+all of ds4.kernels)."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -16,3 +19,21 @@ def require(cond: bool, msg: str) -> None:
     """Bad input gets one clear ValueError naming what was wrong."""
     if not cond:
         raise ValueError(msg)
+
+
+# Programmatic dependent launch (sm_90) for the decode step's kernels: each is launched with launch_pdl=PDL
+# and, as its first step, waits (griddepcontrol.wait, pdl_wait) until the kernel before it in the stream
+# has finished and its writes are visible. The launch and the block scheduling of a kernel then overlap the
+# previous kernel's drain, while nothing of it runs before its inputs exist (a decode step is ~1,400 launches
+# of 2-20 us each). Off by default until the H200 times it (tools/gpu/session5.sh part c); env DS4_PDL=1.
+# Never under Triton's interpreter (no PTX there). A test checks that every kernel launched with launch_pdl
+# begins with pdl_wait() (tests/test_pdl_wiring.py).
+PDL = os.environ.get("DS4_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+_PDL = tl.constexpr(PDL)
+
+
+@triton.jit
+def pdl_wait():
+    """The wait for the previous kernel of the stream (a no-op when not launched with launch_pdl)."""
+    if _PDL:
+        tl.extra.cuda.gdc_wait()

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import ref
+from .dispatch import PDL, pdl_wait
 from .dispatch import require as _check
 from .dispatch import use_triton as _use_triton
 from .hc import sinkhorn_tile
@@ -50,6 +51,7 @@ HC_FINISH_WARPS = int(os.environ.get("DS4_HC_FINISH_WARPS", "4"))
 @triton.jit
 def _hc_mix_partial(x_ptr, fn_ptr, pmix_ptr, pss_ptr, K, M, NS, BM: tl.constexpr, CHUNK: tl.constexpr):
     """Program (b, s): partial dots fn[:, chunk] . x[b, chunk] -> pmix[b, s, :M] and sum x^2 -> pss[b, s]."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     s = tl.program_id(1)
     rows = tl.arange(0, BM)
@@ -81,6 +83,7 @@ def _hc_pre_finish(
 ):  # fmt: skip
     """One program per row b: mixing logits -> pre, post, comb (Sinkhorn in registers), x = sum pre X.
     ONE_PASS (BD >= D): the row as one tile, see HC_FINISH_BD."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     K = S * D
     n = tl.arange(0, BNS)
@@ -170,13 +173,16 @@ def hc_pre_fused(
     post = torch.empty(B, S, device=X.device, dtype=torch.float32)
     comb = torch.empty(B, S, S, device=X.device, dtype=torch.float32)
     if B:
-        _hc_mix_partial[(B, NS)](X, fn.contiguous(), pmix, pss, K, M, NS, BM=BM, CHUNK=HC_CHUNK, num_warps=4)
+        _hc_mix_partial[(B, NS)](
+            X, fn.contiguous(), pmix, pss, K, M, NS, BM=BM, CHUNK=HC_CHUNK, num_warps=4, launch_pdl=PDL
+        )
         _hc_pre_finish[(B,)](
             X, pmix, pss, scale.float().contiguous(), base.float().contiguous(),
             norm if norm is not None else x, x, post, comb,
             S, d, NS, iters, float(rms_eps), float(hc_eps),
             HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S), BD=BD,
             BNS=min(32, triton.next_power_of_2(NS)), ONE_PASS=BD >= d, num_warps=HC_FINISH_WARPS,
+            launch_pdl=PDL,
         )  # fmt: skip
     return x, post, comb
 
@@ -192,6 +198,7 @@ def _hc_post_kernel(
 ):  # fmt: skip
     """Program (b, block of d): out[b, dst, :] = post[dst] * f + sum_src comb[src, dst] * X[src, :]; PARTS:
     f = sum_j parts[b, j, :] (j in order) + f[b, :]."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = dd < D
@@ -243,6 +250,7 @@ def hc_post_fused(
             f, parts.contiguous() if parts is not None else f, X.contiguous(), post.float().contiguous(),
             comb.float().contiguous(), out, S, d, parts.shape[1] if parts is not None else 0,
             BS=triton.next_power_of_2(S), BD=BD, PARTS=parts is not None, num_warps=4,
+            launch_pdl=PDL,
         )  # fmt: skip
     return out
 
@@ -273,6 +281,7 @@ def _rope_tail(
 
 @triton.jit
 def _q_norm_rope_kernel(q_ptr, out_ptr, pos_ptr, inv_ptr, H, D, R, eps, BD: tl.constexpr, BP: tl.constexpr):
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     row = tl.program_id(0)  # b * H + h
     d = tl.arange(0, BD)
     x = tl.load(q_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
@@ -300,6 +309,7 @@ def _kv_norm_rope_fp8_kernel(
     kv_ptr, w_ptr, out_ptr, pos_ptr, inv_ptr, D, R, eps,
     BD: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, BP: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     d = tl.arange(0, BD)
     x = tl.load(kv_ptr + b * D + d, mask=d < D, other=0.0).to(tl.float32)
@@ -338,6 +348,7 @@ def q_norm_rope(q: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, eps:
         _q_norm_rope_kernel[(B * H,)](
             q.contiguous(), out, pos.contiguous(), inv_freq.float().contiguous(), H, D, R, float(eps),
             BD=triton.next_power_of_2(D), BP=triton.next_power_of_2(R // 2), num_warps=4,
+            launch_pdl=PDL,
         )  # fmt: skip
     return out
 
@@ -362,6 +373,7 @@ def kv_norm_rope_fp8(
             D, R, float(eps), BD=triton.next_power_of_2(D),
             NB=triton.next_power_of_2(max(1, (D - R) // FP8_BLOCK)), QB=FP8_BLOCK,
             BP=triton.next_power_of_2(R // 2), num_warps=4,
+            launch_pdl=PDL,
         )  # fmt: skip
     return out
 
@@ -380,6 +392,7 @@ def _router_kernel(
     logit_ptr, bias_ptr, ids_ptr, w_ptr, E, scale,
     HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     e = tl.arange(0, BE)
     em = e < E
@@ -425,6 +438,7 @@ def router_topk(
             logits.contiguous(), bias.contiguous() if bias is not None else logits, ids, wts, E, float(scale),
             HAS_BIAS=bias is not None, NORMALIZE=normalize, K=k, BK=triton.next_power_of_2(k),
             BE=triton.next_power_of_2(E), num_warps=4,
+            launch_pdl=PDL,
         )  # fmt: skip
     return ids, wts
 

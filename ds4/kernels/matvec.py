@@ -28,7 +28,7 @@ import triton.language as tl
 from ds4.quant.types import GGMLType
 
 from . import ref
-from .dispatch import use_triton
+from .dispatch import PDL, pdl_wait, use_triton
 from .packing import PLAIN_DTYPES, PackedWeight, iq2xxs_grid_i64
 
 TARGET_PROGRAMS = 1024  # ~8 per SM on an H200 (132 SMs): enough loads in flight to reach peak bandwidth
@@ -311,6 +311,7 @@ def _qmv_kernel(
 ):
     """Partials out [S, B, N] of x [B, K] @ W^T, program (row tile, batch tile, split); FIXUP: the last split
     of each tile also writes the sum to sum_ptr [B, N] (counters cnt_ptr, one per (row, batch) tile)."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -414,6 +415,7 @@ def _q8_mv1_kernel(
     """Partials out [S, N], program (row tile, split); FIXUP: the last split of each row tile also writes
     the sum to sum_ptr [N] (counters cnt_ptr, one per row tile). XDIRECT / MAGIC: Q8Config's xdirect /
     magic (MAGIC: qs is the int32 view of the quants)."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     TB: tl.constexpr = TK // 32  # blocks per k-tile
@@ -480,6 +482,7 @@ def q8_mv1(
         x, qs, w.data["d"], out, total, cnt, N, K, rows_per_group, per,
         BN=cfg.bn, TK=tk, STAGES=cfg.stages, FIXUP=fix is not None, XDIRECT=cfg.xdirect, MAGIC=cfg.magic,
         num_warps=cfg.warps,
+        launch_pdl=PDL,
     )  # fmt: skip
     if fix is not None:
         return total
@@ -573,6 +576,7 @@ def _qmatvec_tiles(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         x, *weight_args(w), out, total, cnt, B, N, K, x.stride(0), p.per,
         QT=_qtype_code(w), BB=p.bb, BN=p.bn, TK=p.tk, SW=sub_width(w, p.tk), USE_DOT=p.use_dot,
         FIXUP=fix is not None, num_warps=4,
+        launch_pdl=PDL,
     )  # fmt: skip
     if fix is not None:
         return total
@@ -630,6 +634,7 @@ def _q8_rows_kernel(
 ):
     """Partials out [S, B, N] of x [B, G * K] (row n reads group n // NG) @ W^T, program (row tile, batch
     tile, split); FIXUP: the last split of each tile also writes the sum to sum_ptr [B, N]."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -687,6 +692,7 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
     _q8_rows_kernel[grid](
         x, w.data["qs"], w.data["d"], out, total, cnt, B, N, K, rows_per_group, x.stride(0), per,
         BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=fix is not None, num_warps=cfg.warps,
+        launch_pdl=PDL,
     )  # fmt: skip
     if fix is not None:
         return total
@@ -713,6 +719,7 @@ def _grouped_mv_kernel(
     TK: tl.constexpr,
     SW: tl.constexpr,
 ):
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)  # = b * G + group
     n = pid_n * BN + tl.arange(0, BN)
@@ -753,6 +760,7 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         TK=tile_k(w),
         SW=sub_width(w, tile_k(w)),
         num_warps=4,
+        launch_pdl=PDL,
     )
     return out
 
@@ -832,6 +840,7 @@ def _hmv_kernel(
     STAGES: tl.constexpr,
     FIXUP: tl.constexpr,
 ):
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_b = tl.program_id(0)  # fastest: the row chunks of one weight tile run together (L2 re-reads)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -952,6 +961,7 @@ def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> 
     _hmv_kernel[grid](
         x, w, out, total, out if cnt is None else cnt, B, N, K, per,
         BB=bb, BN=cfg.bn, TK=tk, MODE=mode, STAGES=cfg.stages, FIXUP=cnt is not None, num_warps=cfg.warps,
+        launch_pdl=PDL,
     )  # fmt: skip
     if cnt is not None:
         return total

@@ -34,6 +34,7 @@ from ds4.quant.tables import KSIGNS
 from ds4.quant.types import GGMLType
 
 from . import ref
+from .dispatch import PDL, pdl_wait
 from .matvec import (
     _split_counters,
     _split_fixup,
@@ -357,6 +358,7 @@ def _rne_int(v):
 def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, plane, TINY: tl.constexpr, TERMS: tl.constexpr):
     """Block program_id(1) of row program_id(0): x [R, K] (f32|bf16) -> q int8 [TERMS, R, K] (planes `plane`
     = R * K apart), d f32 [R, K/256]; the math of ref.quantize_q8k (run without FMA contraction)."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     i = tl.arange(0, 256)
@@ -535,6 +537,7 @@ def _iq2_q8k_gate_up_kernel(
     conversions put barriers that the loads would otherwise wait behind); SIGN_MATH: sign masks computed,
     not gathered (_iq2_sign_bits); GATHER: table lookups by tl.gather from register copies (shared memory on
     the GPU) instead of global (L1) gathers."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -642,6 +645,7 @@ def _q2k_q8k_down_kernel(
     + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2. PREFETCH: as the gate/up kernel.
     FIXUP: partials go to out [S, k, B, D] instead, and the last of the S k programs of each (row, tile)
     (counters cnt_ptr [B, D tiles]) writes their sum, in (split, slot) order, to sum_ptr [B, D]."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -843,6 +847,7 @@ def quantize_q8k(x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.T
         _q8k_quant_kernel[(R, K // 256)](
             x, q, d, K, x.stride(0), R * K,
             TINY=ref.Q8K_TINY, TERMS=terms, num_warps=2, enable_fp_fusion=False,
+            launch_pdl=PDL,
         )  # fmt: skip
     return q, d
 
@@ -886,6 +891,7 @@ def moe_gate_up(
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
             TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, PREFETCH=cfg.prefetch,
             GATHER=cfg.gather, num_warps=cfg.warps,
+            launch_pdl=PDL,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
         g, u = wg.data, wu.data
@@ -945,8 +951,9 @@ def moe_down(
         w = wd.data
         args = (xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F)
         kw = dict(
-            BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), PREFETCH=cfg.prefetch, num_warps=cfg.warps
-        )
+            BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), PREFETCH=cfg.prefetch, num_warps=cfg.warps,
+            launch_pdl=PDL,
+        )  # fmt: skip
         cnt = _split_counters(mid.device, B * grid[0]) if cfg.fixup else None
         if cnt is not None:  # part's memory read as [S, k, B, D]; the kernel sums it into out
             out = torch.empty(B, D, dtype=torch.float32, device=mid.device)

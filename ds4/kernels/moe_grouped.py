@@ -41,6 +41,7 @@ import triton.language as tl
 from ds4.quant.types import GGMLType
 
 from . import ref
+from .dispatch import PDL, pdl_wait
 from .matvec import check_weight, prep_x, use_triton
 from .moe import GATE_UP, _dot4, _iq2_sign_masks, _negate_bytes, group_by_expert, quantize_q8k
 from .packing import PackedWeight, iq2xxs_grid_i64
@@ -150,6 +151,7 @@ def _gate_up_grouped_kernel(
     """Gate and up of up to PT pairs of one expert (sorted positions p ..) on the quantized input (xw
     [TERMS, B, K/8] int64, planes xplane words apart; dx [B, K/256]) -> mid rows out [P, F] (flat pair
     index), the clamped SwiGLU; zeros for the sentinel expert."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, PT)
@@ -278,6 +280,7 @@ def _down_grouped_kernel(
     whose scale byte has the same index (moe._q2k_q8k_down_kernel). Per pair and super-block the integer sums
     I = sum sc sum q v and M = sum m sum v are exact (|.| <= 4 * 15 * 16 * 3 * 32385 < 2^31) and scaled once:
     y += d dx I - dmin dx M, as ref.q8k_matvec_row. Everything is [BN, 4c]: no per-pair reductions."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, PT)
@@ -475,6 +478,7 @@ def moe_gate_up_grouped(
         iq2xxs_grid_i64(x.device), _iq2_sign_masks(x.device), runs.order, runs.eid, runs.offsets, out,
         k, B * k, E, F, K, B * K // 8, float(clamp),
         BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg), num_warps=cfg.warps,
+        launch_pdl=PDL,
     )  # fmt: skip
     return out
 
@@ -538,6 +542,7 @@ def moe_down_grouped(
         xq.view(torch.int32), xs, dx, w["qs"].view(torch.int32), w["sc"], w["dm"], runs.order, runs.eid,
         runs.offsets, weights.float().contiguous(), part, B * k, E, D, F, B * k * F // 4,
         BN=cfg.bn_dn, PT=cfg.pairs, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
+        launch_pdl=PDL,
     )  # fmt: skip
     return part if per_slot else part.sum(1)  # fixed order over the k slots: deterministic
 

@@ -7,10 +7,13 @@
 #   part b: batched decode with q8_rows (check B = 8, 16 against the 2e-2 bar that B = 16 failed in session
 #           4; time B = 1, 16, 32, and B = 32 on the old dense path), then the whole-model A/B of the
 #           switches (tools/gpu/ab_decode.py) and the ds4-bench sweep 2k -> 8k (2 repeats, medians).
+#   part c: programmatic dependent launch (DS4_PDL=1: the decode kernels launched with launch_pdl, each waiting
+#           for its predecessor first): the kernel and model GPU tests under it, then decode with and without
+#           it in two processes (tools/gpu/ab_decode.py, the "default" rows compare).
 # Then: flip the defaults whose VERDICT says faster (matvec.Q8_MV1, fused.HC_FINISH_BD / _WARPS,
 # layer.INDEXER_TOPK), and revert layer.BATCH_QROWS to 0 if bench_q8 --rows / batch_check say q8_rows is slower
 # than the dense path by more than its precision is worth. Needs .gpu/shared carried (fixtures + bench text).
-# Logs land in $OUT.  Usage: bash tools/gpu/session5.sh a|b
+# Logs land in $OUT.  Usage: bash tools/gpu/session5.sh a|b|c
 export PYTHONPATH=. PYTHONUNBUFFERED=1 DS4_SHARED=$PWD/.gpu/shared DS4_TEST_CACHE=/tmp/ds4-cache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -33,6 +36,13 @@ if [ "$1" = a ]; then
   TAIL=14 run q8var 70 python3 tools/gpu/bench_q8.py --variants
   TAIL=36 run q8rows 110 python3 tools/gpu/bench_q8.py --rows
   TAIL=10 run fused "$(left)" python3 tools/gpu/bench_kernels.py --fused-only
+elif [ "$1" = c ]; then
+  TAIL=8 run pdltests 240 env DS4_PDL=1 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/test_kernels_quant.py tests/test_kernels_fused.py tests/test_kernels_attend.py \
+    tests/test_kernels_compress.py tests/test_kernels_moe.py tests/test_kernels_moe_grouped.py \
+    tests/test_cuda_backend.py tests/test_cuda_batch.py
+  TAIL=10 run ab_pdl 150 env DS4_PDL=1 python3 tools/gpu/ab_decode.py --rounds 2
+  TAIL=10 run ab_plain "$(left)" python3 tools/gpu/ab_decode.py --rounds 2
 else
   TAIL=22 run batch 260 python3 tools/gpu/batch_check.py --batches 1,16,32 --check-batches 8,16 \
     --check-steps 4 --repeats 2 --plain
