@@ -33,11 +33,11 @@ FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
 FP8_BLOCK = 64
 HC_CHUNK = 128  # K elements per program of the split-K mixing projection (128 programs at Flash shapes)
-# The finish kernel (one program per row) walks the row in chunks of up to HC_FINISH_BD elements: rows of at
-# most HC_FINISH_BD (Flash: d = 4096 with 4096) take ONE pass with the stream sum held in registers for the
-# sublayer norm, instead of chunks of 1024 written, then re-read and normalised (a second pass behind a
-# barrier: the H200 profile gave this kernel 12 us a call, 86 calls per token); HC_FINISH_WARPS warps (16:
-# the [S, 4096] tile at 32 floats a thread). Defaults: the old two-pass chunks, until the H200 times both
+# The finish kernel (one program per row) takes rows of at most HC_FINISH_BD elements (Flash, d = 4096: with
+# HC_FINISH_BD = 4096) in ONE pass, the stream sum held in registers for the sublayer norm; wider rows go in
+# chunks of up to 1024 that are written, then re-read and normalised (a second pass behind a barrier: the
+# H200 profile gave this kernel 12 us a call, 86 calls per token). HC_FINISH_WARPS warps (16: the [S, 4096]
+# tile at 32 floats a thread). Defaults: the old two-pass chunks, until the H200 times both
 # (tools/gpu/bench_kernels.py --fused-only); sm_90 builds: bench_kernels.py --compile-only. Env
 # DS4_HC_FINISH_BD / DS4_HC_FINISH_WARPS, for whole-model A/B runs.
 HC_FINISH_BD = int(os.environ.get("DS4_HC_FINISH_BD", "1024"))

@@ -63,6 +63,13 @@ def _acc_tile(acc, w, x_ptr, xrow, xmask, xcol, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _tf32_hi(x):
+    """f32 x with its low 13 mantissa bits cleared: exact in tf32, and x - hi exact in f32 (the split of
+    hmatvec's tf32x2 mode and q8_rows)."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def iq2_group_values(idx, a1, d, sub, w3, j):
     """IQ2_XXS groups of 8 values, f32 [R, G, 8] (exact: packing.unpack's operations): grid indices idx
     [R, G], sub-block words a1 [R, G] (4 x 7-bit sign indices | scale << 28), block scales d (broadcast to
@@ -350,7 +357,7 @@ class Q8Config:
     sums; sm_90 k loop at the default tile, Triton 3.6's bundled ptxas, per thread and 32 weights):
       xdirect: x loaded straight into the weight tile's layout (each thread its own x elements, broadcast
         over the BN rows from L1) instead of one load redistributed through shared memory: 10 -> 2 barriers
-        and 9 -> 2 shared loads per k-tile, 133 -> 126 instructions;
+        per k-tile, 136 -> 123 instructions, 61 -> 46 registers;
       magic: the int8 weights read as int32 words and turned into f32 by the 2^23 magic number (_i8x4_f32)
         instead of I2F, which sm_90 issues at 16 per SM per clock (a quarter of the integer pipe), x loaded
         directly as with xdirect (through shared memory its [TB, 8, 4] tile took 409 instructions): 32 I2F
@@ -654,7 +661,7 @@ def _q8_rows_kernel(
         q = tl.load(qp + kb * 32).to(tl.float32)  # [BN, 32] integers: exact in tf32
         d = tl.load(dp + kb).to(tl.float32)  # [BN]
         xv = tl.load(xp + kb * 32, mask=bmask[:, None], other=0.0)  # [BB, 32] f32
-        hi = (xv.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # low 13 bits: 0
+        hi = _tf32_hi(xv)
         part = tl.dot(q, tl.trans(hi), input_precision="tf32")
         part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
         acc += part * d[:, None]
@@ -870,7 +877,7 @@ def _hmv_kernel(
             elif MODE == 1:  # W is the dot's A operand: M = BN (large), N = BB (mma n8 fits B = 8 unpadded)
                 acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
             elif MODE == 2:
-                hi = (xv.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # low 13 bits: 0
+                hi = _tf32_hi(xv)
                 acc = tl.dot(w, tl.trans(hi), acc, input_precision="tf32")
                 acc = tl.dot(w, tl.trans(xv - hi), acc, input_precision="tf32")
             else:
