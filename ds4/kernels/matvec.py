@@ -289,6 +289,30 @@ def _fixup_output(
     return torch.empty(shape, dtype=torch.float32, device=device), cnt
 
 
+@dataclass
+class SplitOutputs:
+    """The outputs of one split-K Q8_0 launch: partials [S, *shape]; when the kernel sums them itself
+    (_fixup_output: fixup), the sum and the tile counters (else both alias the partials, unused)."""
+
+    part: torch.Tensor
+    total: torch.Tensor
+    cnt: torch.Tensor
+    fixup: bool
+
+    def result(self) -> torch.Tensor:
+        """The [*shape] sum: the kernel's, or the partials summed in split order."""
+        if self.fixup:
+            return self.total
+        return self.part[0] if self.part.shape[0] == 1 else self.part.sum(0)
+
+
+def split_outputs(device: torch.device, splits: int, tiles: int, shape: tuple[int, ...]) -> SplitOutputs:
+    part = torch.empty(splits, *shape, dtype=torch.float32, device=device)
+    fix = _fixup_output(device, splits, tiles, shape)
+    total, cnt = fix or (part, part)
+    return SplitOutputs(part, total, cnt, fix is not None)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # qmatvec
 
@@ -481,19 +505,14 @@ def q8_mv1(
         raise ValueError(f"q8_mv1: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
     tk, per, splits = q8_mv1_plan(N, K, cfg)
     n_prog = triton.cdiv(N, cfg.bn)
-    out = torch.empty(splits, N, dtype=torch.float32, device=x.device)  # [S, N] partials
-    fix = _fixup_output(x.device, splits, n_prog, (N,))
-    total, cnt = fix or (out, out)  # (unused pointers without the fixup)
+    o = split_outputs(x.device, splits, n_prog, (N,))  # partials [S, N]
     qs = w.data["qs"].view(torch.int32) if cfg.magic else w.data["qs"]
     _q8_mv1_kernel[(n_prog, splits)](
-        x, qs, w.data["d"], out, total, cnt, N, K, rows_per_group, per,
-        BN=cfg.bn, TK=tk, STAGES=cfg.stages, FIXUP=fix is not None, XDIRECT=cfg.xdirect, MAGIC=cfg.magic,
-        num_warps=cfg.warps,
-        launch_pdl=PDL,
+        x, qs, w.data["d"], o.part, o.total, o.cnt, N, K, rows_per_group, per,
+        BN=cfg.bn, TK=tk, STAGES=cfg.stages, FIXUP=o.fixup, XDIRECT=cfg.xdirect, MAGIC=cfg.magic,
+        num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
-    if fix is not None:
-        return total
-    return out[0] if splits == 1 else out.sum(0)
+    return o.result()
 
 
 def q8_mv1_plan(n: int, k: int, cfg: Q8Config) -> tuple[int, int, int]:
@@ -576,18 +595,13 @@ def _qmatvec_tiles(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     B, N, K = x.shape[0], w.N, w.K
     p = qmatvec_plan(B, w, x.dtype == torch.bfloat16)
     splits = p.grid[2]
-    out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)  # [S, B, N] partials
-    fix = _fixup_output(x.device, splits, p.grid[0] * p.grid[1], (B, N))
-    total, cnt = fix or (out, out)  # (unused pointers without the fixup)
+    o = split_outputs(x.device, splits, p.grid[0] * p.grid[1], (B, N))  # partials [S, B, N]
     _qmv_kernel[p.grid](
-        x, *weight_args(w), out, total, cnt, B, N, K, x.stride(0), p.per,
+        x, *weight_args(w), o.part, o.total, o.cnt, B, N, K, x.stride(0), p.per,
         QT=_qtype_code(w), BB=p.bb, BN=p.bn, TK=p.tk, SW=sub_width(w, p.tk), USE_DOT=p.use_dot,
-        FIXUP=fix is not None, num_warps=4,
-        launch_pdl=PDL,
+        FIXUP=o.fixup, num_warps=4, launch_pdl=PDL,
     )  # fmt: skip
-    if fix is not None:
-        return total
-    return out[0] if splits == 1 else out.sum(0)
+    return o.result()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -692,18 +706,12 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
     if rows_per_group % cfg.bn and rows_per_group != N:
         raise ValueError(f"q8_rows: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
     bb, per, grid = q8_rows_plan(B, N, K, cfg)
-    splits = grid[2]
-    out = torch.empty(splits, B, N, dtype=torch.float32, device=x.device)  # [S, B, N] partials
-    fix = _fixup_output(x.device, splits, grid[0] * grid[1], (B, N))
-    total, cnt = fix or (out, out)  # (unused pointers without the fixup)
+    o = split_outputs(x.device, grid[2], grid[0] * grid[1], (B, N))  # partials [S, B, N]
     _q8_rows_kernel[grid](
-        x, w.data["qs"], w.data["d"], out, total, cnt, B, N, K, rows_per_group, x.stride(0), per,
-        BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=fix is not None, num_warps=cfg.warps,
-        launch_pdl=PDL,
+        x, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, x.stride(0), per,
+        BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
-    if fix is not None:
-        return total
-    return out[0] if splits == 1 else out.sum(0)
+    return o.result()
 
 
 # ---------------------------------------------------------------------------------------------------------
