@@ -371,14 +371,17 @@ def _compile(fn, args, kw, target):
     from triton.compiler import ASTSource
 
     kw = dict(kw)
-    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion") if k in kw}
     sig, consts, attrs = {}, {}, {}
     pos = iter(args)
     for i, (name, p) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
         if p.is_constexpr:
-            sig[name], consts[name] = "constexpr", kw[name]
+            sig[name], consts[name] = "constexpr", kw[name] if name in kw else p.default
             continue
-        v = next(pos)
+        v = kw[name] if name in kw else next(pos, p.default)  # past the given args: the default
+        if v is None:  # an unused optional pointer: Triton specializes None as a constexpr
+            sig[name], consts[name] = "constexpr", None
+            continue
         if isinstance(v, torch.Tensor):
             sig[name] = _PTR[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
@@ -430,6 +433,21 @@ def _capture_fused(sink: list) -> None:
         fused.router_topk(torch.randn(1, E), bias, 6, 2.5)
 
 
+def _capture_launched(mod, sink: list) -> None:
+    """Replace every jit kernel that `mod` launches (`name[grid](...)` in its source) by a recorder, so the
+    calls below collect launch configurations instead of running (no GPU needed)."""
+    import inspect
+    import re
+
+    from triton.runtime.jit import JITFunction
+
+    launched = set(re.findall(r"\b(\w+)\[[^\]]*\]\(", inspect.getsource(mod)))
+    for name in sorted(launched):
+        fn = getattr(mod, name, None)
+        if isinstance(fn, JITFunction):
+            setattr(mod, name, _Capture(fn, sink))
+
+
 def compile_only() -> int:
     from triton.backends.compiler import GPUTarget
 
@@ -438,19 +456,7 @@ def compile_only() -> int:
     sink: list = []
     for mod in (matvec, moe, matmul):
         mod.use_triton = lambda t: True
-        for attr in (
-            "_qmv_kernel",
-            "_q8_mv1_kernel",
-            "_grouped_mv_kernel",
-            "_iq2_gate_up_kernel",
-            "_q2k_down_kernel",
-            "_swiglu_sum_kernel",
-            "_gate_up_kernel",
-            "_down_kernel",
-            "_grouped_kernel",
-        ):
-            if hasattr(mod, attr):
-                setattr(mod, attr, _Capture(getattr(mod, attr), sink))
+        _capture_launched(mod, sink)
     gen = torch.Generator().manual_seed(0)
     k, n = 512, 64
     for qt in (Q8, F16, Q2K, Q4K, IQ2):
