@@ -35,6 +35,7 @@ from ds4.model.cuda.layer import (
     reads_packed,
     route_decode,
     shared_gate_up,
+    swiglu_decode,
 )
 from ds4.model.cuda.state import DeviceLayerKV
 from ds4.model.cuda.weights import Packed, QLinear
@@ -248,5 +249,5 @@ def decode_layer_batch(blk, kv, X, tokens, pos, slot):
         m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     routed = _routed(xf, ids, weights, m, clamp)  # [B, k, d] per slot
-    shared = lin(fused.swiglu_mid(*shared_gate_up(xf, m, side), clamp), m.down_sh)
+    shared = lin(swiglu_decode(*shared_gate_up(xf, m, side), clamp), m.down_sh)
     return fused.hc_post(shared, X, post, comb, routed)  # the sublayer output: sum of the slots + shared

@@ -165,13 +165,6 @@ def indexer_q_post(qi, pos, inv_freq):
     return indexer_qat(rope_real(qi, pos, inv_freq))
 
 
-@fuse
-def swiglu_mid(g, u, clamp: float):
-    if clamp > 0:
-        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
-    return torch.nn.functional.silu(g) * u
-
-
 def router_topk(logits, bias, k: int, scale: float, normalize: bool):
     """(ids [1, k] int32, weights [1, k]) of a non-hash router (ds4.kernels.fused.router_topk)."""
     return _kf.router_topk(logits, bias, k, scale, normalize)

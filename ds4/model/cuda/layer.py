@@ -203,6 +203,12 @@ def _rms(x, weight, eps: float):
 
 
 @fused.fuse(dynamic=True)
+def swiglu_decode(g, u, clamp: float):
+    """experts.swiglu_mid of the decode step's shared expert (eager: four kernels)."""
+    return swiglu_mid(g, u, clamp)
+
+
+@fused.fuse(dynamic=True)
 def _ring_and_count(slot, pos, window: int, ratio: int):
     """(flat ring row slot * W + pos % W, visible compressed rows (pos + 1) // r) of each row [B]."""
     return slot * window + pos % window, (pos + 1) // max(ratio, 1)
