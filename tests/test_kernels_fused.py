@@ -163,6 +163,28 @@ def test_kv_norm_rope_fp8(B: int, D: int, R: int) -> None:
     assert bool((ref.kv_norm_rope_fp8(kv, weight, pos, inv, EPS)[:, :-R] == want[:, :-R]).all())
 
 
+def test_kv_norm_rope_fp8_into_rows() -> None:
+    """out / rows: row b lands in out[rows[b]] (the raw KV ring), bit-equal to the plain call; other rows of
+    out keep their contents; mismatched arguments are refused."""
+    B, D, R = 3, 192, 64
+    g = _gen(77)
+    kv, weight = torch.randn(B, D, generator=g), torch.rand(D, generator=g) + 0.5
+    pos, inv = _positions(B, 78), rope_inv_freq(R, 10000.0)
+    dev = [t.to(DEVICE) for t in (kv, weight, pos, inv)]
+    plain = fused.kv_norm_rope_fp8(*dev, EPS)
+    ring = torch.full((7, D), 5.0, device=DEVICE)
+    rows = torch.tensor([4, 0, 6], device=DEVICE)
+    got = fused.kv_norm_rope_fp8(*dev, EPS, ring, rows)
+    assert got is ring
+    assert torch.equal(ring[rows], plain)
+    keep = [1, 2, 3, 5]
+    assert bool((ring[keep] == 5.0).all())
+    with pytest.raises(ValueError, match="out and rows go together"):
+        fused.kv_norm_rope_fp8(*dev, EPS, ring)
+    with pytest.raises(ValueError, match="rows must be"):
+        fused.kv_norm_rope_fp8(*dev, EPS, ring, rows[:2])
+
+
 # (value after the scale, its E4M3 round-to-nearest-even result): ties go to the even mantissa, subnormals
 # step 2^-9, the subnormal/normal and binade boundaries round up into the next binade, 448 is the top value.
 FP8_TIES = [

@@ -261,9 +261,13 @@ def hc_post_fused(
 
 @triton.jit
 def _rope_tail(
-    src_ptr, dst_ptr, row_off, D, R, rs, w_ptr, pos, inv_ptr, HAS_W: tl.constexpr, BP: tl.constexpr
-):
-    """dst[tail] = RoPE(src[tail] * rs (* w)) on the adjacent pairs (2j, 2j+1) of the last R dims."""
+    src_ptr, dst_ptr, row_off, D, R, rs, w_ptr, pos, inv_ptr, HAS_W: tl.constexpr, BP: tl.constexpr,
+    dst_off=None,
+):  # fmt: skip
+    """dst[tail] = RoPE(src[tail] * rs (* w)) on the adjacent pairs (2j, 2j+1) of the last R dims; the row at
+    row_off in src, at dst_off (default row_off) in dst."""
+    if dst_off is None:
+        dst_off = row_off
     j = tl.arange(0, BP)
     jm = j < R // 2
     t0 = D - R + 2 * j
@@ -275,8 +279,8 @@ def _rope_tail(
     ang = pos * tl.load(inv_ptr + j, mask=jm, other=0.0)
     cs = tl.cos(ang)
     sn = tl.sin(ang)
-    tl.store(dst_ptr + row_off + t0, a * cs - c * sn, mask=jm)
-    tl.store(dst_ptr + row_off + t0 + 1, a * sn + c * cs, mask=jm)
+    tl.store(dst_ptr + dst_off + t0, a * cs - c * sn, mask=jm)
+    tl.store(dst_ptr + dst_off + t0 + 1, a * sn + c * cs, mask=jm)
 
 
 @triton.jit
@@ -306,11 +310,15 @@ def _round_e4m3(v):
 
 @triton.jit
 def _kv_norm_rope_fp8_kernel(
-    kv_ptr, w_ptr, out_ptr, pos_ptr, inv_ptr, D, R, eps,
-    BD: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, BP: tl.constexpr,
+    kv_ptr, w_ptr, out_ptr, rows_ptr, pos_ptr, inv_ptr, D, R, eps,
+    BD: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
+    """Program b: row b of kv -> out row b, or (ROWS) out row rows[b]."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
+    dst = b * D
+    if ROWS:
+        dst = tl.load(rows_ptr + b).to(tl.int64) * D
     d = tl.arange(0, BD)
     x = tl.load(kv_ptr + b * D + d, mask=d < D, other=0.0).to(tl.float32)
     rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), D * 1.0) + eps))
@@ -324,9 +332,9 @@ def _kv_norm_rope_fp8_kernel(
     scale = (sexp << 23).to(tl.float32, bitcast=True)[:, None]
     inv_scale = ((254 - sexp) << 23).to(tl.float32, bitcast=True)[:, None]  # exact 1 / scale
     q = _round_e4m3(tl.minimum(tl.maximum(y * inv_scale, -448.0), 448.0))
-    tl.store(out_ptr + b * D + idx, q * scale, mask=nm)
+    tl.store(out_ptr + dst + idx, q * scale, mask=nm)
     pos = tl.load(pos_ptr + b).to(tl.float32)
-    _rope_tail(kv_ptr, out_ptr, b * D, D, R, rs, w_ptr, pos, inv_ptr, HAS_W=True, BP=BP)
+    _rope_tail(kv_ptr, out_ptr, b * D, D, R, rs, w_ptr, pos, inv_ptr, HAS_W=True, BP=BP, dst_off=dst)
 
 
 def _check_rope(name: str, D: int, pos: torch.Tensor, B: int, inv_freq: torch.Tensor) -> int:
@@ -354,28 +362,42 @@ def q_norm_rope(q: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, eps:
 
 
 def kv_norm_rope_fp8(
-    kv: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, eps: float
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    pos: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kv [B, D] -> fp8_nope(rope_tail(rms_norm(kv, weight, eps), pos, inv_freq)) [B, D] f32.
 
-    The first D - R dims get the FP8 E4M3 round trip (blocks of 64, power-of-two scales, RNE)."""
+    The first D - R dims get the FP8 E4M3 round trip (blocks of 64, power-of-two scales, RNE). out [M, D]
+    f32 and rows [B] int64: row b is written to out[rows[b]] instead (the decode step's raw KV ring: no
+    index_copy_ launch after it), and out is returned."""
     _check(kv.ndim == 2, f"kv_norm_rope_fp8: kv must be [B, D], got {tuple(kv.shape)}")
     B, D = kv.shape
     R = _check_rope("kv_norm_rope_fp8", D, pos, B, inv_freq)
     _check((D - R) % FP8_BLOCK == 0, f"kv_norm_rope_fp8: nope width {D - R} not a multiple of {FP8_BLOCK}")
     _check(weight.numel() == D, f"kv_norm_rope_fp8: weight must have {D} entries, got {weight.numel()}")
+    _check((out is None) == (rows is None), "kv_norm_rope_fp8: out and rows go together")
+    if out is not None:
+        _check(
+            out.ndim == 2 and out.shape[1] == D and out.dtype == torch.float32 and out.is_contiguous(),
+            f"kv_norm_rope_fp8: out must be a contiguous f32 [M, {D}], got {out.dtype} {tuple(out.shape)}",
+        )
+        _check(tuple(rows.shape) == (B,), f"kv_norm_rope_fp8: rows must be [{B}], got {tuple(rows.shape)}")
     if not _use_triton(kv):
-        return ref.kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps)
-    out = torch.empty(B, D, device=kv.device, dtype=torch.float32)
+        return ref.kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps, out, rows)
+    dst = out if out is not None else torch.empty(B, D, device=kv.device, dtype=torch.float32)
     if B:
         _kv_norm_rope_fp8_kernel[(B,)](
-            kv.contiguous(), weight.contiguous(), out, pos.contiguous(), inv_freq.float().contiguous(),
-            D, R, float(eps), BD=triton.next_power_of_2(D),
+            kv.contiguous(), weight.contiguous(), dst, rows.contiguous() if rows is not None else pos,
+            pos.contiguous(), inv_freq.float().contiguous(), D, R, float(eps), BD=triton.next_power_of_2(D),
             NB=triton.next_power_of_2(max(1, (D - R) // FP8_BLOCK)), QB=FP8_BLOCK,
-            BP=triton.next_power_of_2(R // 2), num_warps=4,
-            launch_pdl=PDL,
+            BP=triton.next_power_of_2(R // 2), ROWS=rows is not None, num_warps=4, launch_pdl=PDL,
         )  # fmt: skip
-    return out
+    return dst
 
 
 def qk_norm_rope_fp8(q, kv, kv_weight, pos, inv_freq, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -298,11 +298,13 @@ def _fp8_e4m3(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     return (q * scale).reshape(x.shape)
 
 
-def kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps: float):
-    """kv [B, D]: RMSNorm with weight, RoPE on the last R dims, FP8 E4M3 round trip of the first D - R."""
+def kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps: float, out=None, rows=None):
+    """kv [B, D]: RMSNorm with weight, RoPE on the last R dims, FP8 E4M3 round trip of the first D - R; with
+    out [M, D] and rows [B]: written to out[rows] (returns out)."""
     R = 2 * inv_freq.numel()
     y = _rope(_rms(kv.float(), eps) * weight.float(), pos, inv_freq)
-    return torch.cat([_fp8_e4m3(y[:, :-R]), y[:, -R:]], dim=-1)
+    y = torch.cat([_fp8_e4m3(y[:, :-R]), y[:, -R:]], dim=-1)
+    return y if out is None else out.index_copy_(0, rows, y)
 
 
 def router_topk(logits, bias, k: int, scale: float, normalize: bool = True):

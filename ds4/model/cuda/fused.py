@@ -148,11 +148,13 @@ def _q_post(q, pos, inv_freq, eps: float):
     return rope_real(rms_norm(q, None, eps), pos, inv_freq)
 
 
-def kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int):
-    """kv [1, D]: RMSNorm with weight, RoPE, FP8 round trip of the first D - n_rot dims."""
+def kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int, out=None, rows=None):
+    """kv [B, D]: RMSNorm with weight, RoPE, FP8 round trip of the first D - n_rot dims; with out [M, D] and
+    rows [B]: written to out[rows] (the raw KV ring; returns out)."""
     if TRITON_FUSED and n_rot == 2 * inv_freq.numel() and (kv.shape[-1] - n_rot) % FP8_BLOCK == 0:
-        return _kf.kv_norm_rope_fp8(kv, kv_norm, pos, inv_freq, eps)
-    return _kv_post(kv, kv_norm, pos, inv_freq, eps, n_rot)
+        return _kf.kv_norm_rope_fp8(kv, kv_norm, pos, inv_freq, eps, out, rows)
+    row = _kv_post(kv, kv_norm, pos, inv_freq, eps, n_rot)
+    return row if out is None else out.index_copy_(0, rows, row)
 
 
 @fuse

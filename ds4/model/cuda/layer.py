@@ -225,9 +225,8 @@ def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq,
         qa, kv_raw = lin(xn, w.q_a), lin(xn, w.kv)
     qn = _rms(qa, w.q_a_norm, eps)  # [B, Rq]
     q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, D)), pos, inv_freq, eps)  # [B, H, D]
-    row = fused.kv_post(kv_raw, w.kv_norm, pos, inv_freq, eps, R)  # [B, D]
     ring, count = _ring_and_count(slot, pos, W, r)  # [B] each
-    kv.raw.view(-1, D).index_copy_(0, ring, row)
+    fused.kv_post(kv_raw, w.kv_norm, pos, inv_freq, eps, R, kv.raw.view(-1, D), ring)  # the row into the ring
     comp = top = None
     if r:
         cw, iw = w.compressor, w.indexer
