@@ -12,8 +12,12 @@
 #           it in two processes (tools/gpu/ab_decode.py, the "default" rows compare).
 # Then: flip the defaults whose VERDICT says faster (matvec.Q8_MV1, fused.HC_FINISH_BD / _WARPS,
 # layer.INDEXER_TOPK), and revert layer.BATCH_QROWS to 0 if bench_q8 --rows / batch_check say q8_rows is slower
-# than the dense path by more than its precision is worth. Needs .gpu/shared carried (fixtures + bench text).
-# Logs land in $OUT.  Usage: bash tools/gpu/session5.sh a|b|c
+# than the dense path by more than its precision is worth. Needs .gpu/shared carried (fixtures + bench text):
+#   mkdir -p .gpu/shared/fixtures/official-tiny .gpu/shared/bench-text
+#   cp ../shared/fixtures/official-tiny/{cases.json,logits.npz,model.gguf.xz,model-q8.gguf.xz} \
+#      .gpu/shared/fixtures/official-tiny/; cp ../shared/bench-text/promessi_sposi.txt .gpu/shared/bench-text/
+# then run(command="bash tools/gpu/session5.sh a", carry=[".gpu"]). Logs land in $OUT.
+# Usage: bash tools/gpu/session5.sh a|b|c
 export PYTHONPATH=. PYTHONUNBUFFERED=1 DS4_SHARED=$PWD/.gpu/shared DS4_TEST_CACHE=/tmp/ds4-cache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
