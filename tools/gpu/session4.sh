@@ -10,24 +10,11 @@
 #           B <= 4 expert-variant benches (to set defaults before part f's end-to-end numbers);
 #   part t: the kernel + whole-model GPU tests, then decode tok/s at 2k/64k (tools/gpu/quick_decode.py).
 # Needs .gpu/shared carried (fixtures + bench text). Logs land in $OUT.  Usage: bash tools/gpu/session4.sh x|t
-export PYTHONPATH=. PYTHONUNBUFFERED=1 DS4_SHARED=$PWD/.gpu/shared DS4_TEST_CACHE=/tmp/ds4-cache
+source "$(dirname "$0")/session_lib.sh"
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device notes)
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $((${BUDGET:-570} - $(date +%s) + T0)); }
-run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, print its tail
-  local name=$1 secs=$2
-  shift 2
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name (rc $?, $(( $(date +%s) - T0 )) s into the call)"
-  grep -v -i "warn" "$OUT/$name.log" | tail -n "${TAIL:-14}"
-}
 TESTS="tests/test_kernels_attend.py tests/test_kernels_side.py tests/test_kernels_compress.py
   tests/test_kernels_prefill.py tests/test_kernels_attend_prefill.py tests/test_kernels_moe.py
   tests/test_kernels_fused.py tests/test_cuda_backend.py tests/test_cuda_batch.py"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$1" = x ]; then
   TAIL=24 run ep 420 torchrun --standalone --nproc-per-node 2 tools/gpu/ep_check.py --prompt 4096 --steps 32 \
     --decode 64 --json "$OUT/ep.json"

@@ -18,20 +18,7 @@
 #      .gpu/shared/fixtures/official-tiny/; cp ../shared/bench-text/promessi_sposi.txt .gpu/shared/bench-text/
 # then run(command="bash tools/gpu/session5.sh a", carry=[".gpu"]). Logs land in $OUT.
 # Usage: bash tools/gpu/session5.sh a|b|c
-export PYTHONPATH=. PYTHONUNBUFFERED=1 DS4_SHARED=$PWD/.gpu/shared DS4_TEST_CACHE=/tmp/ds4-cache
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-left() { echo $((${BUDGET:-570} - $(date +%s) + T0)); }
-run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, print its tail
-  local name=$1 secs=$2
-  shift 2
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name (rc $?, $(( $(date +%s) - T0 )) s into the call)"
-  grep -v -i "warn" "$OUT/$name.log" | tail -n "${TAIL:-14}"
-}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=8 run ktests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
     tests/test_kernels_fused.py -k "q8 or magic or fixup or flash or hc_pre"
