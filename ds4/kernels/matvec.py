@@ -258,6 +258,21 @@ def _split_fixup(part_ptr, sum_ptr, cnt_ptr, off, mask, B, N, n_split, BB: tl.co
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")  # re-armed for the next call (kernel boundaries order it)
 
 
+@triton.jit
+def _store_partial(
+    out_ptr, sum_ptr, cnt_ptr, y, b, bmask, n, B, N, tile, BB: tl.constexpr, BN: tl.constexpr,
+    FIXUP: tl.constexpr,
+):  # fmt: skip
+    """Store this program's partial y [BB, BN] (x rows b, weight rows n) of split program_id(2) into the
+    partials out [S, B, N]; FIXUP: the last split of the tile (counter cnt_ptr + tile) then writes their sum
+    to sum_ptr [B, N] (_split_fixup)."""
+    off = b[:, None].to(tl.int64) * N + n[None, :]  # [BB, BN]
+    mask = bmask[:, None] & (n < N)[None, :]
+    tl.store(out_ptr + tl.program_id(2).to(tl.int64) * B * N + off, y, mask=mask)
+    if FIXUP:
+        _split_fixup(out_ptr, sum_ptr, cnt_ptr + tile, off, mask, B, N, tl.num_programs(2), BB, BN)
+
+
 _HALF_COUNTERS: dict[torch.device, torch.Tensor] = {}  # (the name predates the Q8_0 users)
 _RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers: graphs captured with them still write them
 
@@ -356,12 +371,8 @@ def _qmv_kernel(
         w0, w1, w2, w3, wrow, x_ptr, b.to(tl.int64) * stride_x, bmask, kt_lo, kt_hi, K, QT, BB, BN, TK, SW,
         USE_DOT,
     )  # fmt: skip
-    off = b[:, None].to(tl.int64) * N + n[None, :]  # [BB, BN]
-    mask = bmask[:, None] & (n < N)[None, :]
-    tl.store(out_ptr + pid_s.to(tl.int64) * B * N + off, acc, mask=mask)
-    if FIXUP:
-        tile_cnt = cnt_ptr + pid_n * tl.num_programs(1) + pid_b
-        _split_fixup(out_ptr, sum_ptr, tile_cnt, off, mask, B, N, tl.num_programs(2), BB, BN)
+    tile = pid_n * tl.num_programs(1) + pid_b
+    _store_partial(out_ptr, sum_ptr, cnt_ptr, acc, b, bmask, n, B, N, tile, BB, BN, FIXUP)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -679,13 +690,8 @@ def _q8_rows_kernel(
         part = tl.dot(q, tl.trans(hi), input_precision="tf32")
         part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
         acc += part * d[:, None]
-    y = tl.trans(acc)  # [BB, BN]
-    off = b[:, None].to(tl.int64) * N + n[None, :]
-    mask = bmask[:, None] & (n < N)[None, :]
-    tl.store(out_ptr + pid_s.to(tl.int64) * B * N + off, y, mask=mask)
-    if FIXUP:
-        tile_cnt = cnt_ptr + pid_n * tl.num_programs(1) + pid_b
-        _split_fixup(out_ptr, sum_ptr, tile_cnt, off, mask, B, N, tl.num_programs(2), BB, BN)
+    tile = pid_n * tl.num_programs(1) + pid_b
+    _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
 
 
 def q8_rows_plan(b: int, n: int, k: int, cfg: Q8RowsConfig) -> tuple[int, int, tuple[int, int, int]]:
@@ -896,12 +902,8 @@ def _hmv_kernel(
         y = tl.sum(acc, axis=2)
     else:
         y = tl.trans(acc)
-    off = b[:, None].to(tl.int64) * N + n[None, :]
-    mask = bmask[:, None] & (n < N)[None, :]
-    tl.store(out_ptr + pid_s.to(tl.int64) * B * N + off, y, mask=mask)
-    if FIXUP:
-        tile_cnt = cnt_ptr + pid_n * tl.num_programs(0) + pid_b
-        _split_fixup(out_ptr, sum_ptr, tile_cnt, off, mask, B, N, tl.num_programs(2), BB, BN)
+    tile = pid_n * tl.num_programs(0) + pid_b  # this grid is (batch tile, row tile, split)
+    _store_partial(out_ptr, sum_ptr, cnt_ptr, y, b, bmask, n, B, N, tile, BB, BN, FIXUP)
 
 
 def _check_half(x: torch.Tensor, w: torch.Tensor) -> None:
