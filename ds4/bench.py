@@ -331,6 +331,7 @@ def run(a: argparse.Namespace, out, loaded: Loaded | None = None) -> list[dict]:
     drv = Driver(model, a.ctx_alloc, loaded.eos)
     warm_up(drv, tokens)
     fronts = frontiers(a.ctx_start, a.ctx_max, a.step_incr, a.step_mul)
+    step_bytes = decode_bytes_per_token(model)
     writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
     writer.writeheader()
     times: list[list[tuple[float, float]]] = [[] for _ in fronts]  # per frontier: (prefill s, decode s)
@@ -340,7 +341,8 @@ def run(a: argparse.Namespace, out, loaded: Loaded | None = None) -> list[dict]:
         for i, f in enumerate(fronts):
             times[i].append(_frontier_times(drv, tokens[drv.n : f], a.gen_tokens))
             if rep == a.repeats - 1:
-                rows.append(_sweep_row(model, f, f - (fronts[i - 1] if i else 0), a.gen_tokens, times[i]))
+                n_new = f - (fronts[i - 1] if i else 0)
+                rows.append(_sweep_row(model.cfg, step_bytes, f, n_new, a.gen_tokens, times[i]))
                 writer.writerow(rows[-1])
                 out.flush()
     return rows
@@ -363,7 +365,9 @@ def _frontier_times(drv: Driver, new_tokens: list[int], gen_tokens: int) -> tupl
     return t_pre, t_gen
 
 
-def _sweep_row(model, f: int, n_new: int, gen_tokens: int, times: list[tuple[float, float]]) -> dict:
+def _sweep_row(
+    cfg, step_bytes: int, f: int, n_new: int, gen_tokens: int, times: list[tuple[float, float]]
+) -> dict:
     """One CSV row of frontier f from its passes' (prefill s, decode s): median speeds."""
     from ds4.engine.snapshot import payload_size
 
@@ -375,8 +379,8 @@ def _sweep_row(model, f: int, n_new: int, gen_tokens: int, times: list[tuple[flo
         "prefill_tps": f"{prefill_tps:.2f}",
         "gen_tokens": gen_tokens,
         "gen_tps": f"{gen_tps:.2f}",
-        "kvcache_bytes": payload_size(model.cfg, f),
-        "weights_gbps": f"{decode_bytes_per_token(model) * gen_tps / 1e9:.2f}",
+        "kvcache_bytes": payload_size(cfg, f),
+        "weights_gbps": f"{step_bytes * gen_tps / 1e9:.2f}",
     }
 
 
