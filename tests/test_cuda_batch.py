@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _roundtrips import round_trips_off
 from conftest import OFFICIAL_TINY
 
 from ds4.config import FLASH, TINY
@@ -48,8 +49,11 @@ def _assert_states_close(a: DeviceKVState, b: DeviceKVState) -> None:
         torch.testing.assert_close(x, y, atol=STATE_TOL, rtol=1e-5)
 
 
-def _check_batch_equals_alone(model: CudaModel, lengths: list[int], steps: int, seed: int) -> None:
-    """Pool of len(lengths) + 1 sessions; the last one (a short prompt) idles: its buffers must not move."""
+def _check_batch_equals_alone(
+    model: CudaModel, lengths: list[int], steps: int, seed: int, close: bool = True
+) -> None:
+    """Pool of len(lengths) + 1 sessions; the last one (a short prompt) idles: its buffers must not move.
+    With `close`, logits and state buffers within float32 noise too (not only the greedy tokens)."""
     cfg = model.cfg
     gen = torch.Generator().manual_seed(seed)
     ctx = max(lengths) + steps + 2
@@ -72,9 +76,10 @@ def _check_batch_equals_alone(model: CudaModel, lengths: list[int], steps: int, 
         worst = max(worst, float((got - want).abs().max()))
         toks = want.argmax(-1).tolist()
     print(f"decode_batch vs alone, B={len(lengths)}: max |dlogit| {worst:.2e}")
-    assert worst <= LOGIT_TOL
-    for a, b in zip(alone, live, strict=True):
-        _assert_states_close(a, b)
+    if close:
+        assert worst <= LOGIT_TOL
+        for a, b in zip(alone, live, strict=True):
+            _assert_states_close(a, b)
     assert idle.n_tokens == 3
     for x, y in zip(idle_before, _buffers(idle), strict=True):
         assert torch.equal(x, y), "a batched step wrote into an idle slot"
@@ -88,10 +93,16 @@ def test_tiny_synthetic_batch_equals_alone(tiny_model):
     _check_batch_equals_alone(tiny_model, [30, 45, 124], steps=4, seed=1)
 
 
-def test_official_tiny_batch_equals_alone(official_gguf):
+@pytest.mark.parametrize("round_trips", [True, False], ids=["round-trips", "no-round-trips"])
+def test_official_tiny_batch_equals_alone(official_gguf, monkeypatch, round_trips: bool):
+    """With the FP8 / FP4 round trips on, the greedy tokens agree; logits and states within float32 noise are
+    checked with them off (tests/_roundtrips.py: on the device host's CPU a summation-order ulp before a
+    round trip moved a logit by 2e-4)."""
+    calls = None if round_trips else round_trips_off(monkeypatch)
     model = _model(official_gguf)  # window 16, ratios 4 / 32, indexer top-k 8
     # 4 live rows (+1 idle) -> bucket 4; 2 live -> bucket 2 below; a 1-token session; ratio-32 rows at 31, 63
-    _check_batch_equals_alone(model, [1, 14, 29, 60], steps=5, seed=2)
+    _check_batch_equals_alone(model, [1, 14, 29, 60], steps=5, seed=2, close=not round_trips)
+    assert calls is None or (calls["fp8"] > 0 and calls["fp4"] > 0), f"a round trip was not live: {calls}"
 
 
 def test_padded_rows_hit_only_the_scratch_slot(tiny_model):

@@ -413,14 +413,16 @@ class Q8Config:
 # tools/gpu/tune_decode.py times the alternatives: on an H200 (2026-11-29) this tile gave the lowest sum over
 # a decode step's Q8_0 shapes (5.9 ms cold-L2 vs 14.4 ms for the general kernel; stages 3, 4/16/32 rows, 256
 # or 1024-element tiles were 0-60 % slower).
-# Env DS4_Q8_XDIRECT=1 / DS4_Q8_MAGIC=1: the code variants (Q8Config), for whole-model A/B runs.
+# Env DS4_Q8_XDIRECT=0|1 / DS4_Q8_MAGIC=1: the code variants (Q8Config), for whole-model A/B runs. xdirect
+# is on: bench_q8.py --variants on the H200 (2026-12-01) summed a decode step's Q8_0 matvecs to 4.042 ms vs
+# 4.172 ms.
 Q8_MV1 = Q8Config(
     bn=8,
     tk=512,
     warps=4,
     stages=1,
     target=2112,
-    xdirect=os.environ.get("DS4_Q8_XDIRECT", "0") == "1",
+    xdirect=os.environ.get("DS4_Q8_XDIRECT", "1") == "1",
     magic=os.environ.get("DS4_Q8_MAGIC", "0") == "1",
 )
 

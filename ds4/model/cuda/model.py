@@ -15,6 +15,7 @@ graph captured per batch bucket (1, 2, 4, 8, ... rows; the padded rows write the
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
@@ -95,6 +96,19 @@ class CudaModel:
         self.output_norm = get("output_norm.weight")
         self.output = get("output.weight")  # [V, d]
         self._pool = None  # one memory pool shared by every captured decode graph
+        self._pool_graphs: weakref.WeakSet = weakref.WeakSet()  # the live graphs captured into it
+
+    def capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of body() in the shared decode pool. torch releases a pool with its last graph, and a
+        capture into a released handle fails an allocator assert (torch 2.11): once no graph of the pool is
+        alive (its sessions gone), the next capture starts a fresh pool."""
+        if self._pool is None or not len(self._pool_graphs):
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            body()
+        self._pool_graphs.add(g)
+        return g
 
     # ---- states ------------------------------------------------------------------------------
 
@@ -334,12 +348,7 @@ class DecodeRunner:
             self._body()  # first call: lazy constants, cuBLAS handles, allocator warm-up
         torch.cuda.current_stream().wait_stream(side)
         self.state.copy_from(saved)
-        if m._pool is None:
-            m._pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=m._pool):
-            self._body()
-        self.graph = g
+        self.graph = m.capture(self._body)
         self.token.copy_(tok)
         self.pos.copy_(pos)
         del saved
@@ -402,12 +411,7 @@ class BatchRunner:
         with torch.cuda.stream(side):
             self._body(bk)  # first call: lazy constants, cuBLAS handles, allocator warm-up
         torch.cuda.current_stream().wait_stream(side)
-        if m._pool is None:
-            m._pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=m._pool):
-            self._body(bk)
-        bk.graph = g
+        bk.graph = m.capture(lambda: self._body(bk))
 
 
 def _tensors_of(obj) -> list:

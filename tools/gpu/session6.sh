@@ -1,0 +1,32 @@
+#!/bin/bash
+# Device calls of the sixth session (the first GPU time since session 4), one part per call:
+#   part a: the whole model vs the CPU reference with session 5's defaults (launch cuts, q8_rows for batched
+#           rows), the changed kernels' GPU tests, bench_q8 --variants / --rows, then the whole-model A/B of
+#           the switches (tools/gpu/ab_decode.py);
+#   part b: the graph-pool regression test, the switches' A/B (after the pool fix), batched decode (the 2e-2
+#           check at B = 8, 16; B = 1 / 32 timed), the fused-kernel bench, where a decode step's kernel time
+#           goes (profile_regions);
+#   part c: the ds4-bench sweep 2k -> 8k and decode at 64k with the final defaults.
+# Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session6.sh a|b|c
+source "$(dirname "$0")/session_lib.sh"
+if [ "$1" = a ]; then
+  TAIL=8 run model 220 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
+    tests/test_cuda_batch.py
+  TAIL=8 run ktests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    tests/test_kernels_fused.py -k "q8 or magic or fixup or flash or hc_pre"
+  TAIL=14 run q8var 50 python3 tools/gpu/bench_q8.py --variants
+  TAIL=36 run q8rows 60 python3 tools/gpu/bench_q8.py --rows
+  TAIL=16 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2
+elif [ "$1" = b ]; then
+  TAIL=4 run graph 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
+    tests/test_cuda_batch.py -k "recaptured or official_tiny_batch"
+  TAIL=16 run ab 150 python3 tools/gpu/ab_decode.py --rounds 2
+  TAIL=22 run batch 200 python3 tools/gpu/batch_check.py --batches 1,32 --check-batches 8,16 \
+    --check-steps 4 --repeats 2 --plain
+  TAIL=10 run fused 40 python3 tools/gpu/bench_kernels.py --fused-only
+  TAIL=75 run profile "$(left)" python3 tools/gpu/profile_regions.py 8192
+else
+  TAIL=8 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
+    --step-mul 4 -n 64 --repeats 2 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
+  TAIL=8 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
+fi
