@@ -155,6 +155,25 @@ def test_cuda_decode_graph_recaptured_after_its_session_is_gone(official_gguf):
 
 
 @pytest.mark.cuda
+def test_cuda_side_stream_branches_change_no_bit(official_gguf, monkeypatch):
+    """The decode step's side-stream branches (ds4.model.cuda.streams) run the same kernels on the same
+    inputs: greedy tokens and the last logits are bit-identical with them off (each state captures its own
+    graph under the switch in force)."""
+    from ds4.model.cuda import streams
+
+    model = _cached_cuda(official_gguf)
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(streams, "CONCURRENT", on)
+        st = model.new_state(96)
+        model.forward(st, list(range(100, 150)))  # past the window (16) and several ratio-4 / 32 rows
+        toks = model.decode_greedy(st, 7, 8).tolist()
+        out[on] = (toks, st._runner.logits.clone())
+    assert out[True][0] == out[False][0]
+    assert torch.equal(out[True][1], out[False][1])
+
+
+@pytest.mark.cuda
 def test_cuda_flash_width_synthetic_matches_cpu():
     """4 layers at full Flash width (16 experts to keep the CPU reference in memory), q2 mix, built on the
     GPU; a 2,100-token prompt makes the ratio-4 indexer select (more than top-k = 512 rows visible)."""

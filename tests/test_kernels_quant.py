@@ -258,7 +258,7 @@ def test_q8_split_fixup_rearms_counters(b, monkeypatch):
     w, x = fixup_case(b, torch.float32, seed=50 + b)
     x2 = torch.randn(x.shape, generator=generator(60 + b), device=DEVICE)
     first = matvec.qmatvec(x, w)
-    counters = matvec._HALF_COUNTERS[x.device]
+    counters = matvec._HALF_COUNTERS[(x.device, 0)]
     assert not counters.any()
     assert rel_err(matvec.qmatvec(x2, w), ref.qmatvec(x2, w)) < F32_TOL
     assert not counters.any()
@@ -298,7 +298,7 @@ def test_q8_split_fixup_in_cuda_graph(n, k, b, monkeypatch):
         graph.replay()
         assert torch.equal(y, matvec.qmatvec(x, w))
         assert rel_err(y, ref.qmatvec(x, w)) < F32_TOL
-    assert not matvec._HALF_COUNTERS[x.device].any()
+    assert not matvec._HALF_COUNTERS[(x.device, 0)].any()
 
 
 def test_dispatch_without_triton_uses_twin(monkeypatch):

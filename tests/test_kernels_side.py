@@ -86,10 +86,26 @@ def test_hmatvec_fixup_rearms_counters_and_is_deterministic():
     x = activations(3, 256, seed=9)
     first = matvec.hmatvec(x, w, cfg)
     assert_close(first, x, w)
-    counters = matvec._HALF_COUNTERS[x.device]
+    counters = matvec._HALF_COUNTERS[(x.device, 0)]
     assert counters.numel() >= 3 and not counters.any()
     assert torch.equal(matvec.hmatvec(x, w, cfg), first)
     assert not counters.any()
+
+
+def test_counter_lanes_have_their_own_buffers():
+    # two streams in flight at once (ds4.model.cuda.streams) must not share tile counters: a call inside
+    # counter_lane(1) bumps and re-arms lane 1's buffer, never lane 0's
+    cfg = HalfConfig(bn=16, tk=64, mode="fma", target=10**6, fixup=True)
+    w = half_matrix(40, 256, torch.bfloat16, seed=10)
+    x = activations(2, 256, seed=10)
+    want = matvec.hmatvec(x, w, cfg)
+    lane0 = matvec._HALF_COUNTERS[(x.device, 0)]
+    with matvec.counter_lane(1):
+        got = matvec.hmatvec(x, w, cfg)
+    lane1 = matvec._HALF_COUNTERS[(x.device, 1)]
+    assert lane1.data_ptr() != lane0.data_ptr()
+    assert matvec._LANE[0] == 0 and not lane1.any() and not lane0.any()
+    assert torch.equal(got, want)
 
 
 def test_hmatvec_concatenated_side_matrices():

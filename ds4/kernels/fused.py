@@ -36,12 +36,13 @@ HC_CHUNK = 128  # K elements per program of the split-K mixing projection (128 p
 # The finish kernel (one program per row) takes rows of at most HC_FINISH_BD elements (Flash, d = 4096: with
 # HC_FINISH_BD = 4096) in ONE pass, the stream sum held in registers for the sublayer norm; wider rows go in
 # chunks of up to 1024 that are written, then re-read and normalised (a second pass behind a barrier: the
-# H200 profile gave this kernel 12 us a call, 86 calls per token). HC_FINISH_WARPS warps (16: the [S, 4096]
-# tile at 32 floats a thread). Defaults: the old two-pass chunks, until the H200 times both
-# (tools/gpu/bench_kernels.py --fused-only); sm_90 builds: bench_kernels.py --compile-only. Env
-# DS4_HC_FINISH_BD / DS4_HC_FINISH_WARPS, for whole-model A/B runs.
-HC_FINISH_BD = int(os.environ.get("DS4_HC_FINISH_BD", "1024"))
-HC_FINISH_WARPS = int(os.environ.get("DS4_HC_FINISH_WARPS", "4"))
+# H200 profile gave this kernel 12 us a call, 86 calls per token). HC_FINISH_WARPS warps (0: 16 for a
+# one-pass tile of 4096 or more, the [S, 4096] tile at 32 floats a thread; else 4). One pass is the default:
+# on the H200 (tools/gpu/ab_decode.py, 2026-12-01) the whole model decoded 80.22 vs 79.07 tok/s at 4k ctx
+# with it (same in both rounds). sm_90 builds: bench_kernels.py --compile-only. Env DS4_HC_FINISH_BD /
+# DS4_HC_FINISH_WARPS (1024 / 4: the old two-pass chunks), for whole-model A/B runs.
+HC_FINISH_BD = int(os.environ.get("DS4_HC_FINISH_BD", "4096"))
+HC_FINISH_WARPS = int(os.environ.get("DS4_HC_FINISH_WARPS", "0"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -181,8 +182,8 @@ def hc_pre_fused(
             norm if norm is not None else x, x, post, comb,
             S, d, NS, iters, float(rms_eps), float(hc_eps),
             HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S), BD=BD,
-            BNS=min(32, triton.next_power_of_2(NS)), ONE_PASS=BD >= d, num_warps=HC_FINISH_WARPS,
-            launch_pdl=PDL,
+            BNS=min(32, triton.next_power_of_2(NS)), ONE_PASS=BD >= d, launch_pdl=PDL,
+            num_warps=HC_FINISH_WARPS or (16 if BD >= 4096 else 4),
         )  # fmt: skip
     return x, post, comb
 

@@ -19,6 +19,7 @@ Legend: B activation rows, N output rows, K row length, BB/BN rows per program, 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -238,8 +239,9 @@ def _qtype_code(w: PackedWeight) -> int:
 # every run, whatever order the programs ran in) into the output and sets the counter back to 0. The
 # counters are one int32 buffer per device, zero between calls, allocated outside any CUDA-graph capture and
 # never freed (a captured graph keeps using its buffer), so graph replays re-arm them themselves. Two calls in
-# flight at once on one device would share counters: calls must be ordered on one stream (the decode step
-# and its graphs run on one stream; a graph's kernel nodes form a chain), never on concurrent streams.
+# flight at once would share counters: calls on one lane's buffer must be ordered on one stream. The decode
+# step runs two lanes (ds4.model.cuda.streams: the current stream and one side stream, `counter_lane`), each
+# with its own buffer.
 
 
 @triton.jit
@@ -273,21 +275,34 @@ def _store_partial(
         _split_fixup(out_ptr, sum_ptr, cnt_ptr + tile, off, mask, B, N, tl.num_programs(2), BB, BN)
 
 
-_HALF_COUNTERS: dict[torch.device, torch.Tensor] = {}  # (the name predates the Q8_0 users)
+_HALF_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, lane) -> counters
 _RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers: graphs captured with them still write them
+_LANE = [0]  # the stream lane of the calls being made (counter_lane)
+
+
+@contextmanager
+def counter_lane(lane: int):
+    """Calls made inside use lane `lane`'s tile counters: for kernels enqueued on a second stream that runs
+    concurrently with the first (lane 0)."""
+    prev, _LANE[0] = _LANE[0], lane
+    try:
+        yield
+    finally:
+        _LANE[0] = prev
 
 
 def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed int32 tile counters (>= tiles), or None while a CUDA graph is being captured
-    and they would have to be allocated (memory allocated in a capture belongs to that graph)."""
-    cnt = _HALF_COUNTERS.get(device)
+    """The zeroed int32 tile counters (>= tiles) of the device and current lane, or None while a CUDA graph
+    is being captured and they would have to be allocated (memory allocated in a capture belongs to it)."""
+    key = (device, _LANE[0])
+    cnt = _HALF_COUNTERS.get(key)
     if cnt is None or cnt.numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         if cnt is not None:
             _RETIRED_COUNTERS.append(cnt)
         cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _HALF_COUNTERS[device] = cnt
+        _HALF_COUNTERS[key] = cnt
     return cnt
 
 

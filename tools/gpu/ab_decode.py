@@ -7,12 +7,14 @@ indexer selects its top 512), then for each variant sets its module switches, dr
 graph (the next step recaptures it with the switch in force), restores the prefilled state and times
 --tokens greedy steps through the graph. The variants take turns for --rounds rounds (drift hits all
 alike); per variant: the median tok/s and its ratio to the default, then one VERDICT line per variant.
-Variants (each off by default in the engine; env names in brackets):
-  q8 xdirect      matvec.Q8_MV1.xdirect     (DS4_Q8_XDIRECT=1)  x loaded into the weight tile's layout
+Variants (each the other side of an engine default; env names in brackets):
+  q8 no xdirect   matvec.Q8_MV1.xdirect off (DS4_Q8_XDIRECT=0)  x through shared memory (on by default)
   q8 magic        matvec.Q8_MV1.magic       (DS4_Q8_MAGIC=1)    int8 -> f32 without I2F
-  hc 1 pass       fused.HC_FINISH_BD / _WARPS = 4096 / 16  (DS4_HC_FINISH_BD, DS4_HC_FINISH_WARPS)
+  hc 2 pass       fused.HC_FINISH_BD / _WARPS = 1024 / 4  (DS4_HC_FINISH_BD, DS4_HC_FINISH_WARPS; one pass
+                  is the default)
+  1 stream        streams.CONCURRENT off    (DS4_STREAMS=0)     no side-stream branches
   indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
-  all             every switch above at once
+  all             the off-by-default switches (magic, indexer topk) at once
 """
 
 from __future__ import annotations
@@ -31,19 +33,18 @@ import torch  # noqa: E402
 from ds4.bench import synthetic_model  # noqa: E402
 from ds4.kernels import fused  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
-from ds4.model.cuda import layer  # noqa: E402
+from ds4.model.cuda import layer, streams  # noqa: E402
 
 BASE_Q8 = mv.Q8_MV1
 SWITCHES = {  # variant -> {(module, attribute): value}
-    "q8 xdirect": {(mv, "Q8_MV1"): replace(BASE_Q8, xdirect=True)},
+    "q8 no xdirect": {(mv, "Q8_MV1"): replace(BASE_Q8, xdirect=False)},
     "q8 magic": {(mv, "Q8_MV1"): replace(BASE_Q8, magic=True)},
-    "hc 1 pass": {(fused, "HC_FINISH_BD"): 4096, (fused, "HC_FINISH_WARPS"): 16},
+    "hc 2 pass": {(fused, "HC_FINISH_BD"): 1024, (fused, "HC_FINISH_WARPS"): 4},
+    "1 stream": {(streams, "CONCURRENT"): False},
     "indexer topk": {(layer, "INDEXER_TOPK"): True},
 }
 SWITCHES["all"] = {
-    (mv, "Q8_MV1"): replace(BASE_Q8, xdirect=True, magic=True),
-    (fused, "HC_FINISH_BD"): 4096,
-    (fused, "HC_FINISH_WARPS"): 16,
+    (mv, "Q8_MV1"): replace(BASE_Q8, magic=True),
     (layer, "INDEXER_TOPK"): True,
 }
 DEFAULTS = {key: getattr(*key) for sw in SWITCHES.values() for key in sw}

@@ -217,9 +217,9 @@ def _fused_cases(dev, gen):
         wts = probs.gather(1, ids)
         return ids.int(), wts / wts.sum(-1, keepdim=True) * 2.5
 
-    def pre_one_pass():  # the finish kernel's one-pass row (fused.HC_FINISH_BD / HC_FINISH_WARPS)
+    def pre_two_pass():  # the finish kernel's old chunked row walk (fused.HC_FINISH_BD / HC_FINISH_WARPS)
         saved = fused.HC_FINISH_BD, fused.HC_FINISH_WARPS
-        fused.HC_FINISH_BD, fused.HC_FINISH_WARPS = d, 16
+        fused.HC_FINISH_BD, fused.HC_FINISH_WARPS = 1024, 4
         try:
             return fused.hc_pre_fused(X, fn, scale, base, it, eps, eps, norm)
         finally:
@@ -228,7 +228,7 @@ def _fused_cases(dev, gen):
     return [
         ("hc_pre + norm", lambda: fused.hc_pre_fused(X, fn, scale, base, it, eps, eps, norm), pre_eager,
          lambda: old.hc_pre_norm(X, fn, scale, base, norm, it, eps, eps), 2e-5),
-        ("hc_pre + norm 1 pass", pre_one_pass, pre_eager,
+        ("hc_pre + norm 2 pass", pre_two_pass, pre_eager,
          lambda: old.hc_pre_norm(X, fn, scale, base, norm, it, eps, eps), 2e-5),
         ("hc_post", lambda: fused.hc_post_fused(f, X, post, comb), lambda: hc.hc_post(f, X, post, comb),
          lambda: old.hc_post(f, X, post, comb), 2e-5),

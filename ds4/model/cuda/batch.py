@@ -38,6 +38,7 @@ from ds4.model.cuda.layer import (
     swiglu_decode,
 )
 from ds4.model.cuda.state import DeviceLayerKV
+from ds4.model.cuda.streams import Branch
 from ds4.model.cuda.weights import Packed, QLinear
 from ds4.model.norm import rms_norm
 from ds4.model.quantsim import indexer_qat
@@ -245,9 +246,10 @@ def decode_layer_batch(blk, kv, X, tokens, pos, slot):
     X = fused.hc_post(o, X, post, comb)
     h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
     xf, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
+    # the shared expert on the side stream, next to the router and the routed experts (streams.Branch)
+    shared = Branch(xf.device, lambda: lin(swiglu_decode(*shared_gate_up(xf, m, side), clamp), m.down_sh))
     weights, ids = route_decode(
         m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     routed = _routed(xf, ids, weights, m, clamp)  # [B, k, d] per slot
-    shared = lin(swiglu_decode(*shared_gate_up(xf, m, side), clamp), m.down_sh)
-    return fused.hc_post(shared, X, post, comb, routed)  # the sublayer output: sum of the slots + shared
+    return fused.hc_post(shared.join(), X, post, comb, routed)  # the sublayer output: slots + shared

@@ -28,6 +28,7 @@ from ds4.model.block import LayerWeights
 from ds4.model.cuda import fused
 from ds4.model.cuda.experts import routed_prefill, swiglu_mid
 from ds4.model.cuda.state import DeviceLayerKV
+from ds4.model.cuda.streams import Branch
 from ds4.model.cuda.weights import QLinear
 from ds4.model.hc import hc_post, hc_pre
 from ds4.model.moe import route
@@ -224,7 +225,10 @@ def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq,
     else:
         qa, kv_raw = lin(xn, w.q_a), lin(xn, w.kv)
     qn = _rms(qa, w.q_a_norm, eps)  # [B, Rq]
-    q = fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, D)), pos, inv_freq, eps)  # [B, H, D]
+    # the query projection on the side stream, next to the ring / compressor / indexer chain (streams.Branch)
+    q = Branch(
+        xn.device, lambda: fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, D)), pos, inv_freq, eps)
+    )
     ring, count = _ring_and_count(slot, pos, W, r)  # [B] each
     fused.kv_post(kv_raw, w.kv_norm, pos, inv_freq, eps, R, kv.raw.view(-1, D), ring)  # the row into the ring
     comp = top = None
@@ -252,6 +256,7 @@ def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq,
                 score = attend_k.indexer_scores(qi, wts, kv.index, slot, count)  # [B, cap]
                 pick = top_rows_by_keys if INDEXER_TOPK else _top_rows
                 top = pick(score, shape.indexer_topk)  # [B, k]
+    q = q.join()  # [B, H, D]
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
 
 
