@@ -8,7 +8,8 @@
 #           goes (profile_regions);
 #   part c: the side-stream branches and the one-pass HC finish (now defaults): GPU tests, A/B, then the same
 #           under programmatic dependent launch (DS4_PDL=1; import-time, so two processes), B = 1 / 32 timed;
-#   part d: the ds4-bench sweep 2k -> 8k and decode at 64k with the final defaults.
+#   part d: with the final defaults (PDL on): the ds4-bench sweep 2k -> 8k, batched decode (B = 16 checked,
+#           B = 32 timed).
 # Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session6.sh a|b|c|d
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
@@ -36,7 +37,9 @@ elif [ "$1" = c ]; then
   TAIL=10 run ab_pdl 130 env DS4_PDL=1 python3 tools/gpu/ab_decode.py --rounds 2
   TAIL=8 run batch "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 1,32 --repeats 2 --plain
 else
-  TAIL=8 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
+  export BUDGET=320
+  TAIL=8 run sweep 170 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
     --step-mul 4 -n 64 --repeats 2 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
-  TAIL=8 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
+  TAIL=12 run batch "$(left)" python3 tools/gpu/batch_check.py --batches 32 --check-batches 16 \
+    --check-steps 4 --repeats 2 --plain
 fi
