@@ -4,7 +4,7 @@ For each frontier f (ctx-start, then + step-incr or x step-mul, capped at ctx-ma
 tokens[:f] (only the new interval is prefilled, timed), keep an in-memory copy of the state, decode gen-tokens
 greedy tokens with EOS excluded (timed), restore the copy. The sweep runs --repeats times from an empty
 session (the first pass also pays the JIT compiles of the longer prefills' kernels); one CSV row per
-frontier, with the median speeds of the passes:
+frontier, with the median speeds of the passes (of an even count, the faster middle one):
 
     ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes,weights_gbps
 
@@ -368,11 +368,13 @@ def _frontier_times(drv: Driver, new_tokens: list[int], gen_tokens: int) -> tupl
 def _sweep_row(
     cfg, step_bytes: int, f: int, n_new: int, gen_tokens: int, times: list[tuple[float, float]]
 ) -> dict:
-    """One CSV row of frontier f from its passes' (prefill s, decode s): median speeds."""
+    """One CSV row of frontier f from its passes' (prefill s, decode s): median speeds (of an even count the
+    faster middle one, not their mean: with 2 passes, the second; the first pays the longer prefills' JIT
+    compiles)."""
     from ds4.engine.snapshot import payload_size
 
-    prefill_tps = statistics.median(n_new / t for t, _ in times)
-    gen_tps = statistics.median(gen_tokens / t for _, t in times)
+    prefill_tps = statistics.median_high(n_new / t for t, _ in times)
+    gen_tps = statistics.median_high(gen_tokens / t for _, t in times)
     return {
         "ctx_tokens": f,
         "prefill_tokens": n_new,

@@ -150,28 +150,41 @@ def test_parallel_on_the_device_model_code(tmp_path):
     assert rows[0]["kv_pool_bytes"] == 5 * session_nbytes(model.cfg, a.ctx_alloc)
 
 
-def test_sweep_rows_are_medians_of_the_passes(tmp_path, monkeypatch):
-    """--repeats 3: the passes' (prefill s, decode s) per frontier are scripted (a cold first pass, then a
-    fast and a middle one); each row must carry the median speeds, i.e. the counts over 2 s."""
+def _scripted_sweep(tmp_path, monkeypatch, seconds: list[float], repeats: int) -> list[dict]:
+    """The tiny sweep (frontiers 16, 28) with each pass's (prefill s, decode s) = the next of `seconds`."""
     if not BENCH_TEXT.exists():
         pytest.skip(f"bench text missing: {BENCH_TEXT}")
     real = bench._frontier_times
-    seconds = iter([5.0, 5.0, 1.0, 1.0, 2.0, 2.0])  # pass-major: 2 frontiers x 3 passes
+    it = iter(seconds)
     calls = []
 
     def scripted(drv, new_tokens, gen_tokens):
         real(drv, new_tokens, gen_tokens)  # the session really advances
         calls.append((drv.n, len(new_tokens)))
-        t = next(seconds)
+        t = next(it)
         return t, t
 
     monkeypatch.setattr(bench, "_frontier_times", scripted)
     out = tmp_path / "m.csv"
     argv = ["-m", "tiny", "--cpu", "-t", "1", "--ctx-start", "16", "--ctx-max", "28", "--step-incr", "12"]
-    assert bench.main([*argv, "--gen-tokens", "3", "--repeats", "3", "--csv", str(out)]) == 0
-    assert calls == [(16, 16), (28, 12)] * 3  # every pass starts from an empty session
+    assert bench.main([*argv, "--gen-tokens", "3", "--repeats", str(repeats), "--csv", str(out)]) == 0
+    assert calls == [(16, 16), (28, 12)] * repeats  # every pass starts from an empty session
     with open(out, newline="") as fh:
-        rows = list(csv.DictReader(fh))
+        return list(csv.DictReader(fh))
+
+
+def test_sweep_rows_of_two_passes_are_the_warm_pass(tmp_path, monkeypatch):
+    """--repeats 2: a cold first pass (5 s) and a warm one (1 s): the rows carry the warm speeds, not the
+    mean of the two."""
+    rows = _scripted_sweep(tmp_path, monkeypatch, [5.0, 5.0, 1.0, 1.0], repeats=2)
+    assert [float(r["prefill_tps"]) for r in rows] == [16.0, 12.0]
+    assert [float(r["gen_tps"]) for r in rows] == [3.0, 3.0]
+
+
+def test_sweep_rows_are_medians_of_the_passes(tmp_path, monkeypatch):
+    """--repeats 3: the passes' (prefill s, decode s) per frontier are scripted (a cold first pass, then a
+    fast and a middle one); each row must carry the median speeds, i.e. the counts over 2 s."""
+    rows = _scripted_sweep(tmp_path, monkeypatch, [5.0, 5.0, 1.0, 1.0, 2.0, 2.0], repeats=3)
     assert [(int(r["ctx_tokens"]), int(r["prefill_tokens"])) for r in rows] == [(16, 16), (28, 12)]
     assert [float(r["prefill_tps"]) for r in rows] == [8.0, 6.0]  # 16 / 2 s, 12 / 2 s
     assert [float(r["gen_tps"]) for r in rows] == [1.5, 1.5]  # 3 tokens / 2 s
