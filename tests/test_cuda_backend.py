@@ -174,6 +174,27 @@ def test_cuda_side_stream_branches_change_no_bit(official_gguf, monkeypatch):
 
 
 @pytest.mark.cuda
+def test_cuda_ctx_bucket_graphs_change_no_bit(official_gguf, monkeypatch):
+    """Decode graphs per context bucket (model.CTX_BUCKETS, buckets of 32 tokens up for the tiny model):
+    greedy decode across two bucket boundaries replays one graph per bucket and equals the single graph
+    of the whole allocation bit for bit."""
+    from ds4.model.cuda import model as cm
+
+    model = _cached_cuda(official_gguf)
+    monkeypatch.setattr(cm, "CTX_BUCKET_MIN", 32)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(cm, "CTX_BUCKETS", on)
+        st = model.new_state(256)
+        model.forward(st, list(range(100, 130)))
+        toks = model.decode_greedy(st, 7, 40).tolist()  # positions 30..69: buckets 32, 64, 128
+        out[on] = (toks, st._runner.logits.clone(), set(st._runner.by_bound))
+    assert out[False][2] == {None} and out[True][2] == {32, 64, 128}
+    assert out[True][0] == out[False][0]
+    assert torch.equal(out[True][1], out[False][1])
+
+
+@pytest.mark.cuda
 def test_cuda_flash_width_synthetic_matches_cpu():
     """4 layers at full Flash width (16 experts to keep the CPU reference in memory), q2 mix, built on the
     GPU; a 2,100-token prompt makes the ratio-4 indexer select (more than top-k = 512 rows visible)."""

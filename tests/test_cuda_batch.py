@@ -114,7 +114,7 @@ def test_padded_rows_hit_only_the_scratch_slot(tiny_model):
     before = [_buffers(st) for st in pool]
     scratch = [t.clone() for layer in pool[0].pool.layers for t in layer.tensors()]
     m.decode_batch([pool[3], pool[0], pool[4]], [1, 2, 3])
-    assert pool[0].pool.runner.buckets.keys() == {4}
+    assert pool[0].pool.runner.buckets.keys() == {(4, None)}
     for i in (1, 2):
         assert all(torch.equal(x, y) for x, y in zip(before[i], _buffers(pool[i]), strict=True))
     for i in (0, 3, 4):
@@ -314,3 +314,68 @@ def test_one_session_through_the_bucket_1_step(tiny_model, monkeypatch):
         torch.testing.assert_close(got[0], m.forward(alone, [tok]), atol=LOGIT_TOL, rtol=0)
     assert set(pool[1].pool.runner.buckets) == {1}
     _assert_states_close(alone, pool[1])
+
+
+# ---- context buckets (model.ctx_bound / layer.indexer_width) ---------------------------------------------
+
+
+def test_ctx_bound_buckets(monkeypatch):
+    from ds4.model.cuda import model as cm
+
+    monkeypatch.setattr(cm, "CTX_BUCKETS", False)
+    assert cm.ctx_bound(10, 1 << 20) is None
+    monkeypatch.setattr(cm, "CTX_BUCKETS", True)
+    m = cm.CTX_BUCKET_MIN
+    assert cm.ctx_bound(1, 1 << 20) == m
+    assert cm.ctx_bound(m, 1 << 20) == m
+    assert cm.ctx_bound(m + 1, 1 << 20) == 2 * m
+    assert cm.ctx_bound(m + 1, 2 * m) is None  # the bucket covers the allocation: no bound
+    for tokens in (1, 77, m - 1, 3 * m + 5):
+        assert tokens <= cm.ctx_bound(tokens, 1 << 24) < 2 * max(tokens, m)
+
+
+def test_indexer_width():
+    from ds4.model.cuda.layer import indexer_width
+
+    assert indexer_width(2048, 512, 4, None) == 2048
+    assert indexer_width(2048, 512, 4, 4096) == 1024
+    assert indexer_width(2048, 512, 4, 1024) == 512  # never fewer than k
+    assert indexer_width(2048, 512, 4, 1 << 20) == 2048  # never more than cap
+
+
+def _greedy_logits(model, bucketed: bool, monkeypatch, batched: bool) -> list[torch.Tensor]:
+    from ds4.model.cuda import model as cm
+
+    monkeypatch.setattr(cm, "CTX_BUCKETS", bucketed)
+    monkeypatch.setattr(cm, "CTX_BUCKET_MIN", 32)  # tiny contexts: buckets of 32, 64, 128 tokens
+    gen = torch.Generator().manual_seed(5)
+    pool = model.new_states(3, 256)
+    lengths = [40, 55, 9]
+    logits = [model.forward(st, torch.randint(0, model.cfg.n_vocab, (n,), generator=gen).tolist())
+              for st, n in zip(pool, lengths, strict=True)]  # fmt: skip
+    toks = [int(lg.argmax()) for lg in logits]
+    out = []
+    for _ in range(12):  # crosses the 64-token bucket
+        got = model.decode_batch(pool, toks) if batched else torch.stack(
+            [model.forward(st, [t]) for st, t in zip(pool, toks, strict=True)]
+        )  # fmt: skip
+        out.append(got)
+        toks = got.argmax(-1).tolist()
+    return out
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_ctx_buckets_change_no_logit(official_gguf, monkeypatch, batched: bool):
+    """Sessions of ctx 256 (64 ratio-4 rows, top-k 8) decoded with the indexer ranking only the rows below
+    the step's bucket equal the full ranking bit for bit; a bound below the sessions' depth does not (the
+    bound is live)."""
+    from ds4.model.cuda import model as cm
+
+    model = _model(official_gguf)
+    want = _greedy_logits(model, False, monkeypatch, batched)
+    got = _greedy_logits(model, True, monkeypatch, batched)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(cm, "ctx_bound", lambda tokens, ctx: 40)  # 10 rows ranked; sessions reach 16
+    wrong = _greedy_logits(model, True, monkeypatch, batched)
+    assert any(not torch.equal(a, b) for a, b in zip(wrong, want, strict=True))

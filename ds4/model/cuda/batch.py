@@ -29,6 +29,7 @@ from ds4.model.cuda.layer import (
     _top_rows,
     attention_decode_pool,
     grouped_output,
+    indexer_width,
     lin,
     pool_kernels,
     qmatvec_grouped,
@@ -124,11 +125,14 @@ def _gather_rows(rows_pool, slot, idx):
     return rows_pool.view(-1, h).index_select(0, flat).view(idx.shape[0], idx.shape[1], h)
 
 
-def attention_decode_batch(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, slot, inv_freq, side=None):
+def attention_decode_batch(
+    w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos, slot, inv_freq, side=None, bound: int | None = None
+):
     """xn [B, d] at positions pos [B] of pool slots slot [B] -> [B, d]; appends to the pool layer kv.
-    side: the layer's SideMatrices (kernel path only)."""
+    side: the layer's SideMatrices (kernel path only); bound: every pos[b] < bound, or None
+    (layer.indexer_width)."""
     if pool_kernels():  # the compressor / attention kernels read and write the pool in place
-        o = attention_decode_pool(w, shape, kv, xn, pos, slot, inv_freq, side)
+        o = attention_decode_pool(w, shape, kv, xn, pos, slot, inv_freq, side, bound)
         return _grouped_output(o, w.out_a, w.out_b, shape.o_groups)
     R, eps, W, r = shape.n_rot, shape.rms_eps, shape.window, shape.ratio
     D = shape.head_dim
@@ -155,7 +159,8 @@ def attention_decode_batch(w, shape: AttentionShape, kv: DeviceLayerKV, xn, pos,
             wts = lin(xn, iw.proj) * (dim**-0.5 * n_heads**-0.5)  # [B, Hi]
             rows = kv.index.index_select(0, slot)  # [B, cap, Di]
             score = _indexer_scores(qi, wts, rows, rows_valid, pos, inv_freq)  # [B, cap]
-            top = _top_rows(score, shape.indexer_topk)  # [B, k]
+            n = indexer_width(cap, shape.indexer_topk, r, bound)
+            top = _top_rows(score[:, :n], shape.indexer_topk)  # [B, k]
             keys.append(_gather_rows(kv.comp, slot, top))
             valid.append(rows_valid.gather(1, top))
         else:
@@ -234,15 +239,16 @@ def _routed_grouped(xf, ids, weights, m, clamp):
     return reduce_slots(per_slot.view(B, k, -1))
 
 
-def decode_layer_batch(blk, kv, X, tokens, pos, slot):
+def decode_layer_batch(blk, kv, X, tokens, pos, slot, bound: int | None = None):
     """X [B, S, d] -> [B, S, d] for B tokens (tokens/pos/slot [B] device tensors) over pool layer kv; blk: the
-    layer (ds4.model.block.Block: cfg, il, w, shape, inv_freq; `side`, its SideMatrices, if set)."""
+    layer (ds4.model.block.Block: cfg, il, w, shape, inv_freq; `side`, its SideMatrices, if set); bound:
+    every pos[b] < bound (tokens), or None (layer.indexer_width)."""
     cfg, il, w, shape, inv_freq = blk.cfg, blk.il, blk.w, blk.shape, blk.inv_freq
     side = getattr(blk, "side", None)
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
     xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)
-    o = attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq, side)
+    o = attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq, side, bound)
     X = fused.hc_post(o, X, post, comb)
     h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
     xf, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)

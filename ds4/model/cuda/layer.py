@@ -215,10 +215,21 @@ def _ring_and_count(slot, pos, window: int, ratio: int):
     return slot * window + pos % window, (pos + 1) // max(ratio, 1)
 
 
-def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq, side=None) -> torch.Tensor:
+def indexer_width(cap: int, k: int, ratio: int, bound: int | None) -> int:
+    """Compressed rows the decode indexer ranks: all cap, or, when every row of the step sees at most `bound`
+    tokens, the first bound // ratio of them (never fewer than k). The rows past that hold no visible row
+    (count = (pos + 1) // ratio <= bound // ratio), so the top-k is the same; the sort shrinks with the
+    context instead of the session's allocation."""
+    return cap if bound is None else min(cap, max(k, bound // max(ratio, 1)))
+
+
+def attention_decode_pool(
+    w, shape: AttentionShape, kv, xn, pos, slot, inv_freq, side=None, bound: int | None = None
+) -> torch.Tensor:
     """Decode attention of B rows over pool-layout buffers (kv.* [S, ...]; row b at pool slot slot[b] and
     position pos[b]) through the kernels of ds4.kernels.compress / attend -> de-rotated o [B, H, D], before
-    the output projection. Serves both the single state (S = 1, its buffers [None]) and the batched step."""
+    the output projection. Serves both the single state (S = 1, its buffers [None]) and the batched step.
+    bound: every pos[b] < bound (tokens), or None (see indexer_width)."""
     R, eps, W, r, D = shape.n_rot, shape.rms_eps, shape.window, shape.ratio, shape.head_dim
     if side is not None and side.qa_kv is not None and xn.shape[0] <= DECODE_ROWS:
         qa, kv_raw = qmatvec(xn, side.qa_kv).split([w.q_a_norm.numel(), D], dim=1)
@@ -254,8 +265,9 @@ def attention_decode_pool(w, shape: AttentionShape, kv, xn, pos, slot, inv_freq,
                 qi = fused.indexer_q_post(qb.unflatten(-1, (n_heads, dim)), pos, inv_freq)  # [B, Hi, Di]
                 wts = (lin(xn, iw.proj) if parts[4] is None else parts[4]) * (dim**-0.5 * n_heads**-0.5)
                 score = attend_k.indexer_scores(qi, wts, kv.index, slot, count)  # [B, cap]
+                n = indexer_width(score.shape[1], shape.indexer_topk, r, bound)
                 pick = top_rows_by_keys if INDEXER_TOPK else _top_rows
-                top = pick(score, shape.indexer_topk)  # [B, k]
+                top = pick(score[:, :n], shape.indexer_topk)  # [B, k]
     q = q.join()  # [B, H, D]
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
 

@@ -37,6 +37,25 @@ DEFAULT_PREFILL_CHUNK = 4096
 # speed of forward(state, [tok])). 0: through the pool's bucket-1 graph (one capture per pool; timed as "1*"
 # by tools/gpu/batch_check.py). Env DS4_BATCH1_SINGLE.
 BATCH1_SINGLE = os.environ.get("DS4_BATCH1_SINGLE", "1") != "0"
+
+# Decode graphs per context bucket: a step whose rows all sit below `bound` tokens ranks only the first
+# bound // ratio compressed rows in the indexer (layer.indexer_width), so a session allocated for 1M tokens
+# but 3k deep sorts 2k scores per ratio-4 layer, not 256k. Buckets: powers of two from CTX_BUCKET_MIN tokens,
+# one graph each (captured when a session first reaches it), none once the bucket covers the session's ctx.
+# Off until the H200 times it (tools/gpu/quick_decode.py --ctx-alloc); env DS4_CTX_BUCKETS=1: on.
+CTX_BUCKETS = os.environ.get("DS4_CTX_BUCKETS", "0") == "1"
+CTX_BUCKET_MIN = 8192
+
+
+def ctx_bound(tokens: int, ctx: int) -> int | None:
+    """The bound (tokens) of a decode step whose rows see at most `tokens` tokens each, in sessions of ctx:
+    the power-of-two bucket, or None (no bound) with buckets off or once the bucket reaches ctx."""
+    if not CTX_BUCKETS:
+        return None
+    b = max(CTX_BUCKET_MIN, 1 << max(0, tokens - 1).bit_length())
+    return None if b >= ctx else b
+
+
 # Decode reads the small side matrices (compressors, indexer proj / q_b, router) from float16 copies, one
 # hmatvec per input, instead of f32 GEMVs per matrix (they are F16 in the file: the copies are exact). On CUDA
 # by default (env DS4_SIDE_HALF=0: off); CudaModel(side_half=...) overrides. Prefill keeps the f32 matrices.
@@ -179,19 +198,22 @@ class CudaModel:
         h = hc_head(X, self.head_hc, rms_eps=self.cfg.rms_eps, hc_eps=self.cfg.hc_eps)
         return lin(rms_norm(h, self.output_norm, self.cfg.rms_eps), self.output)
 
-    def decode_step(self, state: DeviceKVState, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The graph body: token [1], pos [1] device tensors -> logits [1, V]; mutates state's buffers."""
+    def decode_step(
+        self, state: DeviceKVState, token: torch.Tensor, pos: torch.Tensor, bound: int | None = None
+    ) -> torch.Tensor:
+        """The graph body: token [1], pos [1] device tensors -> logits [1, V]; mutates state's buffers.
+        bound: pos < bound (tokens), or None (ctx_bound)."""
         X = self._embed(token)
         slot = torch.zeros_like(pos)  # the single state is slot 0 of a one-slot pool for the decode kernels
         for blk, kv in zip(self.layers, state.layers, strict=True):
-            X = decode_layer_batch(blk, kv.as_pool(), X, token, pos, slot)
+            X = decode_layer_batch(blk, kv.as_pool(), X, token, pos, slot, bound)
         return self.logits(X)
 
     def _decode(self, state: DeviceKVState, token: int) -> torch.Tensor:
         runner = self.runner(state)
         runner.token.fill_(token)
         runner.pos.fill_(state.n_tokens)
-        runner.step()
+        runner.step(ctx_bound(state.n_tokens + 1, state.ctx))
         state.n_tokens += 1
         return runner.logits[0].clone()
 
@@ -229,12 +251,13 @@ class CudaModel:
             s.n_tokens += 1
         return logits
 
-    def decode_step_batch(self, pool: KVPool, inputs: torch.Tensor) -> torch.Tensor:
-        """The batched graph body: inputs [3, B] device int64 rows (slot, token, pos) -> logits [B, V]."""
+    def decode_step_batch(self, pool: KVPool, inputs: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+        """The batched graph body: inputs [3, B] device int64 rows (slot, token, pos) -> logits [B, V].
+        bound: every pos < bound (tokens), or None (ctx_bound)."""
         slot, token, pos = inputs[0], inputs[1], inputs[2]
         X = self._embed(token)  # [B, S, d]
         for blk, kv in zip(self.layers, pool.layers, strict=True):
-            X = decode_layer_batch(blk, kv, X, token, pos, slot)
+            X = decode_layer_batch(blk, kv, X, token, pos, slot, bound)
         return self.logits(X)
 
     @torch.inference_mode()
@@ -253,7 +276,7 @@ class CudaModel:
         runner.pos.fill_(state.n_tokens)
         for i in range(n):
             fed[i : i + 1].copy_(runner.token)
-            runner.step()
+            runner.step(ctx_bound(state.n_tokens + i + 1, state.ctx))
             if exclude is not None:
                 runner.logits[0, exclude] = float("-inf")
             runner.token.copy_(runner.logits[0].argmax().view(1))
@@ -317,7 +340,8 @@ def side_matrices(w, half: bool, merge: bool) -> SideMatrices | None:
 
 
 class DecodeRunner:
-    """Static token/pos/logits buffers bound to one state; `step` replays the captured decode graph."""
+    """Static token/pos/logits buffers bound to one state; `step(bound)` replays the decode graph captured for
+    that context bound (ctx_bound; None: the whole allocation)."""
 
     def __init__(self, model: CudaModel, state: DeviceKVState) -> None:
         self.model, self.state = model, state
@@ -325,33 +349,36 @@ class DecodeRunner:
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.logits = torch.zeros(1, model.cfg.n_vocab, dtype=torch.float32, device=dev)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.by_bound: dict[int | None, torch.cuda.CUDAGraph] = {}
+        self.graph: torch.cuda.CUDAGraph | None = None  # the last one replayed
 
-    def _body(self) -> None:
-        self.logits.copy_(self.model.decode_step(self.state, self.token, self.pos))
+    def _body(self, bound: int | None = None) -> None:
+        self.logits.copy_(self.model.decode_step(self.state, self.token, self.pos, bound))
 
-    def step(self) -> None:
+    def step(self, bound: int | None = None) -> None:
         if not self.model.graphs:
-            self._body()
+            self._body(bound)
             return
-        if self.graph is None:
-            self._capture()
+        if bound not in self.by_bound:
+            self.by_bound[bound] = self._capture(bound)
+        self.graph = self.by_bound[bound]
         self.graph.replay()
 
-    def _capture(self) -> None:
+    def _capture(self, bound: int | None) -> torch.cuda.CUDAGraph:
         m = self.model
         saved = self.state.clone()  # warm-up runs the step for real: put the state back afterwards
         tok, pos = self.token.clone(), self.pos.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._body()  # first call: lazy constants, cuBLAS handles, allocator warm-up
+            self._body(bound)  # first call: lazy constants, cuBLAS handles, allocator warm-up
         torch.cuda.current_stream().wait_stream(side)
         self.state.copy_from(saved)
-        self.graph = m.capture(self._body)
+        graph = m.capture(lambda: self._body(bound))
         self.token.copy_(tok)
         self.pos.copy_(pos)
         del saved
+        return graph
 
 
 def bucket_of(b: int) -> int:
@@ -360,34 +387,36 @@ def bucket_of(b: int) -> int:
 
 
 class BatchRunner:
-    """Batched decode over one KVPool: per bucket, static inputs (slot, token, pos) [3, Bk] and logits
-    [Bk, V] and (on CUDA) a graph captured on them. Rows past the batch point at the scratch slot."""
+    """Batched decode over one KVPool: per bucket (rows, context bound: ctx_bound of the deepest row), static
+    inputs (slot, token, pos) [3, Bk] and logits [Bk, V] and (on CUDA) a graph captured on them. Rows past
+    the batch point at the scratch slot."""
 
     def __init__(self, model: CudaModel, pool: KVPool) -> None:
         self.model, self.pool = model, pool
-        self.buckets: dict[int, SimpleNamespace] = {}
+        self.buckets: dict[tuple[int, int | None], SimpleNamespace] = {}
 
-    def _bucket(self, n: int) -> SimpleNamespace:
-        bk = self.buckets.get(n)
+    def _bucket(self, n: int, bound: int | None) -> SimpleNamespace:
+        bk = self.buckets.get((n, bound))
         if bk is None:
             dev, V = self.model.device, self.model.cfg.n_vocab
             bk = SimpleNamespace(
                 inputs=torch.zeros(3, n, dtype=torch.long, device=dev),
                 logits=torch.zeros(n, V, dtype=torch.float32, device=dev),
                 graph=None,
+                bound=bound,
             )
             bk.inputs[0].fill_(self.pool.scratch)
-            self.buckets[n] = bk
+            self.buckets[(n, bound)] = bk
         return bk
 
     def _body(self, bk: SimpleNamespace) -> None:
-        bk.logits.copy_(self.model.decode_step_batch(self.pool, bk.inputs))
+        bk.logits.copy_(self.model.decode_step_batch(self.pool, bk.inputs, bk.bound))
 
     def step(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Logits [B, V] (a copy) of one step; the pool rows of `slots` advance."""
         B = len(slots)
         n = bucket_of(B)
-        bk = self._bucket(n)
+        bk = self._bucket(n, ctx_bound(max(positions) + 1, self.pool.ctx))
         pad = n - B
         host = torch.tensor(
             [slots + [self.pool.scratch] * pad, tokens + [0] * pad, positions + [0] * pad], dtype=torch.long

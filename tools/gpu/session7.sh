@@ -1,0 +1,21 @@
+#!/bin/bash
+# Device calls prepared in session 6 (after its GPU time was spent), one part per call:
+#   part a: the context-bucket graphs (model.CTX_BUCKETS, off) and the side-stream / PDL defaults: GPU tests,
+#           then tools/gpu/ctx_ab.py (buckets at a 256k allocation 2k deep; the indexer's torch.topk at 64k
+#           deep) and decode at 2k / 64k (quick_decode.py);
+#   part b: the ds4-bench sweep 2k -> 8k (3 passes: median leaves the cold one out) and batched decode
+#           (B = 8, 16 checked; B = 32 timed).
+# Then: flip model.CTX_BUCKETS / layer.INDEXER_TOPK by their VERDICT lines. Needs .gpu/shared carried (see
+# session5.sh). Usage: bash tools/gpu/session7.sh a|b
+source "$(dirname "$0")/session_lib.sh"
+if [ "$1" = a ]; then
+  TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
+    tests/test_cuda_batch.py tests/test_kernels_side.py -k "ctx or side_stream or recaptured or official or lane"
+  TAIL=8 run ctx 200 python3 tools/gpu/ctx_ab.py --alloc 262144 --rounds 2
+  TAIL=4 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
+else
+  TAIL=8 run sweep 300 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
+    --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
+  TAIL=12 run batch "$(left)" python3 tools/gpu/batch_check.py --batches 32 --check-batches 8,16 \
+    --check-steps 4 --repeats 2 --plain
+fi
