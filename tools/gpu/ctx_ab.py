@@ -21,24 +21,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from ab_decode import decode_tps  # noqa: E402  (this folder: the graph-recapturing timing of one variant)
 
 from ds4.bench import synthetic_model  # noqa: E402
 from ds4.model.cuda import layer  # noqa: E402
 from ds4.model.cuda import model as cuda_model  # noqa: E402
-
-
-def tps(model, state, base, first: int, n: int) -> float:
-    state._runner = None  # a fresh graph under the switch in force
-    state.copy_from(base)
-    model.decode_greedy(state, first, 2)  # capture (and, for a new bucket, compile)
-    state.copy_from(base)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    model.decode_greedy(state, first, n)
-    torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
 
 
 def ab(name: str, model, state, first: int, a, setter) -> None:
@@ -47,7 +37,7 @@ def ab(name: str, model, state, first: int, a, setter) -> None:
     for _ in range(a.rounds):
         for on in (False, True):
             setter(on)
-            got[on].append(tps(model, state, base, first, a.tokens))
+            got[on].append(decode_tps(model, state, base, first, a.tokens))
     setter(False)
     off, on = statistics.median(got[False]), statistics.median(got[True])
     print(f"{name}: off {off:.2f} tok/s, on {on:.2f} tok/s (x{on / off:.3f})", flush=True)
