@@ -122,11 +122,19 @@ Q8_TILES = [
     matvec.Q8Config(xdirect=True),
     matvec.Q8Config(magic=True),
     matvec.Q8Config(16, 256, 4, 3, 8, magic=True),
+    matvec.Q8Config(xdirect=True, prefetch=True),  # first k-tile loaded before pdl_wait(), loop peeled
+    matvec.Q8Config(16, 256, 4, 3, 8, prefetch=True),  # several k-tiles per split after the peeled one
+    matvec.Q8Config(16, 256, 4, 1, 10**6, magic=True, prefetch=True),  # one k-tile per split: all peeled
 ]
 
 
 def _q8_id(c: matvec.Q8Config) -> str:
-    return f"bn{c.bn}-tk{c.tk}-s{c.stages}-t{c.target}" + "-xdirect" * c.xdirect + "-magic" * c.magic
+    return (
+        f"bn{c.bn}-tk{c.tk}-s{c.stages}-t{c.target}"
+        + "-xdirect" * c.xdirect
+        + "-magic" * c.magic
+        + "-pre" * c.prefetch
+    )
 
 
 @triton.jit

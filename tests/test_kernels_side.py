@@ -57,11 +57,13 @@ TILES = [
     HalfConfig(bn=16, tk=256, mode="tf32x3", target=1),
     HalfConfig(bn=32, tk=64, mode="fma", target=10**6, fixup=True),  # split-K summed in the kernel
     HalfConfig(bn=32, tk=128, mode="tf32x2", target=10**6, fixup=True),
+    HalfConfig(bn=4, tk=64, mode="fma", stages=3, target=1, prefetch=True),  # first k-tile before the wait
+    HalfConfig(bn=32, tk=64, mode="tf32x2", target=10**6, fixup=True, prefetch=True),  # all of a split
 ]
 
 
 def tile_id(c: HalfConfig) -> str:
-    return f"{c.mode}-bn{c.bn}-tk{c.tk}-t{c.target}" + "-fixup" * c.fixup
+    return f"{c.mode}-bn{c.bn}-tk{c.tk}-t{c.target}" + "-fixup" * c.fixup + "-pre" * c.prefetch
 
 
 @pytest.mark.parametrize(

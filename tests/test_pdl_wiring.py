@@ -1,7 +1,9 @@
 """Programmatic dependent launch (ds4.kernels.dispatch.PDL) is only safe if every kernel launched with
-launch_pdl waits for the previous kernel before it reads anything: its first statement must be pdl_wait().
-Checked on the source of every kernel module (the GPU run of the kernel tests with DS4_PDL=1 checks the
-numbers: tools/gpu/session5.sh)."""
+launch_pdl waits for the previous kernel before it reads anything the previous kernels write: its first
+statement must be pdl_wait(), except in the kernels of PREWAIT, which may load the static weights named
+there before it (dispatch.PDL_EARLY; no stores, no loads reaching any other pointer argument, which the
+kernels name *_ptr). Checked on the source of every kernel module (the GPU run of the kernel tests with
+DS4_PDL=1 checks the numbers: tools/gpu/session5.sh)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,53 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
     return body[0]
 
 
+# kernel -> the parameters (static weights) its statements before pdl_wait() may load from
+PREWAIT = {"_q8_mv1_kernel": {"qs", "dsc"}, "_hmv_kernel": {"w_ptr"}}
+
+
+def _is_wait(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and ast.unparse(node.value) == "pdl_wait()"
+
+
 def _waits_first(fn: ast.FunctionDef) -> bool:
-    first = _first_statement(fn)
-    return isinstance(first, ast.Expr) and ast.unparse(first.value) == "pdl_wait()"
+    return _is_wait(_first_statement(fn))
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _reach(expr: ast.AST, params: set[str], deps: dict[str, set[str]]) -> set[str]:
+    """The parameters an expression's value is computed from (through the locals assigned so far)."""
+    src = _names(expr)
+    return (src & params).union(*(deps.get(n, set()) for n in src))
+
+
+def _prewait_problems(fn: ast.FunctionDef, static: set[str]) -> list[str]:
+    """What the statements before fn's top-level pdl_wait() do that PREWAIT does not allow."""
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    waits = [i for i, st in enumerate(body) if _is_wait(st)]
+    if not waits:
+        return ["no top-level pdl_wait()"]
+    params = {a.arg for a in fn.args.args}
+    deps: dict[str, set[str]] = {}  # local name -> the parameters its value was computed from
+    problems = []
+    for st in body[: waits[0]]:
+        for node in ast.walk(st):
+            if isinstance(node, ast.Assign | ast.AugAssign):
+                reach = _reach(node.value, params, deps)
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for name in set().union(*(_names(t) for t in targets)):
+                    deps[name] = reach | (deps.get(name, set()) if isinstance(node, ast.AugAssign) else set())
+            if isinstance(node, ast.Call):
+                fname = ast.unparse(node.func)
+                if fname.startswith(("tl.store", "tl.atomic")):
+                    problems.append(f"{fname} before pdl_wait()")
+                if fname == "tl.load":
+                    reach = _reach(node.args[0], params, deps)
+                    if not reach & static or any(p.endswith("_ptr") for p in reach - static):
+                        problems.append(f"load of {ast.unparse(node.args[0])} (reaches {sorted(reach)})")
+    return problems
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -79,10 +125,13 @@ def test_every_pdl_launch_waits_first():
     assert len(launches) >= 20, launches  # the decode step's kernels (a lost keyword shrinks this)
     for module, kernel, line in launches:
         assert kernel in kernels, f"{module}:{line}: {kernel} is not a jit kernel of ds4.kernels"
-        assert _waits_first(kernels[kernel]), (
-            f"{module}:{line}: {kernel} is launched with launch_pdl but does "
-        )
-        "not begin with pdl_wait()"
+        if kernel in PREWAIT:
+            problems = _prewait_problems(kernels[kernel], PREWAIT[kernel])
+            assert not problems, f"{module}:{line}: {kernel} before its pdl_wait(): {problems}"
+        else:
+            assert _waits_first(kernels[kernel]), (
+                f"{module}:{line}: {kernel} is launched with launch_pdl but does not begin with pdl_wait()"
+            )
 
 
 def test_the_check_sees_a_missing_wait():
@@ -95,6 +144,18 @@ def test_the_check_sees_a_missing_wait():
     kernels = _kernels({"m.py": tree})
     launches = _pdl_launches({"m.py": tree})
     assert launches == [("m.py", "_k", 8)] and not _waits_first(kernels["_k"])
+
+
+def test_the_check_sees_a_dynamic_load_before_the_wait():
+    """The pre-wait rule itself: a static weight load passes; a load reaching an activation pointer (also
+    through a local) or a store before the wait is reported."""
+    head = "import triton\n@triton.jit\ndef _k(x_ptr, w, out_ptr, K):\n"
+    bad = head + "    p = w + K\n    a = tl.load(p)\n    q = x_ptr + K\n    b = tl.load(q + p)\n"
+    bad += "    tl.store(out_ptr, a)\n    pdl_wait()\n"
+    problems = _prewait_problems(_kernels({"m.py": ast.parse(bad)})["_k"], {"w"})
+    assert len(problems) == 2 and "q + p" in problems[0] and "tl.store" in problems[1], problems
+    ok = head + "    p = w + K\n    a = tl.load(p)\n    pdl_wait()\n    b = tl.load(x_ptr)\n"
+    assert _prewait_problems(_kernels({"m.py": ast.parse(ok)})["_k"], {"w"}) == []
 
 
 def test_pdl_is_off_under_the_interpreter_and_by_default():

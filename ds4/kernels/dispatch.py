@@ -43,9 +43,22 @@ def _pdl_default() -> bool:
 PDL = _pdl_default()
 _PDL = tl.constexpr(PDL)
 
+# Early trigger: each kernel, once past its wait, lets the next kernel of the stream launch
+# (griddepcontrol.launch_dependents) instead of at its own end. The next kernel's programs then take the
+# SM slots that this one's programs free as they finish and run what precedes their pdl_wait() (the
+# weight-streaming kernels' loads of their first weight tile: Q8Config.prefetch / HalfConfig.prefetch) while
+# this one drains. Only static weights may be read before the wait (tests/test_pdl_wiring.py checks the
+# source): the wait still holds everything else until this kernel has finished and its writes are visible.
+# Env DS4_PDL_EARLY=1: on (a compile-time constant of every kernel: one value per process).
+PDL_EARLY = PDL and os.environ.get("DS4_PDL_EARLY", "0") == "1"
+_PDL_EARLY = tl.constexpr(PDL_EARLY)
+
 
 @triton.jit
 def pdl_wait():
-    """The wait for the previous kernel of the stream (a no-op when not launched with launch_pdl)."""
+    """The wait for the previous kernel of the stream (a no-op when not launched with launch_pdl); with
+    PDL_EARLY, then the signal that the next kernel may launch."""
     if _PDL:
         tl.extra.cuda.gdc_wait()
+        if _PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()

@@ -413,7 +413,9 @@ class Q8Config:
         directly as with xdirect (through shared memory its [TB, 8, 4] tile took 409 instructions): 32 I2F
         -> 0 at 170 instructions (integer ops 1.06 -> 2.34 per weight). By issue slots (1 warp instruction
         per clock per SM quarter, integer ops at 1/2, I2F at 1/8) 32 weights cost >= 8 clocks (I2F) now and
-        ~5.3 so: the I2F bound alone is ~4.4 TB/s of Q8_0 bytes, so this pays only where I2F stalls bite.
+        ~5.3 so: the I2F bound alone is ~4.4 TB/s of Q8_0 bytes, so this pays only where I2F stalls bite;
+      prefetch: a program's first k-tile of weights (at the decode tile often all it reads) is loaded before
+        its pdl_wait(), so with dispatch.PDL_EARLY it streams while the previous kernel drains.
     tools/gpu/bench_q8.py --variants times them; --compile-only prints these counts."""
 
     bn: int = 8
@@ -423,6 +425,7 @@ class Q8Config:
     target: int = 528
     xdirect: bool = False
     magic: bool = False
+    prefetch: bool = False
 
 
 # tools/gpu/tune_decode.py times the alternatives: on an H200 (2026-11-29) this tile gave the lowest sum over
@@ -439,6 +442,7 @@ Q8_MV1 = Q8Config(
     target=2112,
     xdirect=os.environ.get("DS4_Q8_XDIRECT", "1") == "1",
     magic=os.environ.get("DS4_Q8_MAGIC", "0") == "1",
+    prefetch=os.environ.get("DS4_Q8_PREFETCH", "0") == "1",
 )
 
 
@@ -450,6 +454,19 @@ def _i8x4_f32(w):
     sh = (tl.arange(0, 4) * 8).to(tl.uint32)
     b = ((u[:, :, :, None] >> sh[None, None, None, :]) & 0xFF) | 0x4B000000
     return b.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _q8_tile(q, d, xv, XDIRECT: tl.constexpr, MAGIC: tl.constexpr):
+    """[BN, TB] f32: one k-tile of _q8_mv1_kernel, quants q with block scales d [BN, TB] times x xv."""
+    xv = xv.to(tl.float32)
+    if not (XDIRECT or MAGIC):
+        xv = xv[None]
+    if MAGIC:
+        y = tl.sum(tl.sum(_i8x4_f32(q) * xv, axis=3), axis=2)
+    else:
+        y = tl.sum(q.to(tl.float32) * xv, axis=2)
+    return y * d.to(tl.float32)
 
 
 @triton.jit
@@ -470,11 +487,11 @@ def _q8_mv1_kernel(
     FIXUP: tl.constexpr,
     XDIRECT: tl.constexpr,
     MAGIC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Partials out [S, N], program (row tile, split); FIXUP: the last split of each row tile also writes
-    the sum to sum_ptr [N] (counters cnt_ptr, one per row tile). XDIRECT / MAGIC: Q8Config's xdirect /
-    magic (MAGIC: qs is the int32 view of the quants)."""
-    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    the sum to sum_ptr [N] (counters cnt_ptr, one per row tile). XDIRECT / MAGIC / PREFETCH: Q8Config's
+    xdirect / magic / prefetch (MAGIC: qs is the int32 view of the quants)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     TB: tl.constexpr = TK // 32  # blocks per k-tile
@@ -499,15 +516,15 @@ def _q8_mv1_kernel(
     kt_lo = pid_s * kt_per_split
     kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
     acc = tl.zeros([BN, TB], dtype=tl.float32)
+    if PREFETCH:  # the first k-tile's weights before the wait: static (see dispatch.PDL_EARLY)
+        q0 = tl.load(qp + kt_lo * QK)
+        d0 = tl.load(dp + kt_lo * TB)
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    if PREFETCH:
+        acc += _q8_tile(q0, d0, tl.load(xp + kt_lo * TK), XDIRECT, MAGIC)
+        kt_lo += 1
     for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
-        d = tl.load(dp + kt * TB).to(tl.float32)
-        xv = tl.load(xp + kt * TK).to(tl.float32)
-        if not (XDIRECT or MAGIC):
-            xv = xv[None]
-        if MAGIC:
-            acc += tl.sum(tl.sum(_i8x4_f32(tl.load(qp + kt * QK)) * xv, axis=3), axis=2) * d
-        else:
-            acc += tl.sum(tl.load(qp + kt * QK).to(tl.float32) * xv, axis=2) * d
+        acc += _q8_tile(tl.load(qp + kt * QK), tl.load(dp + kt * TB), tl.load(xp + kt * TK), XDIRECT, MAGIC)
     tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
     if FIXUP:  # as one batch row: tile [1, BN]
         off, mask = n[None, :], (n < N)[None, :]
@@ -538,7 +555,7 @@ def q8_mv1(
     _q8_mv1_kernel[(n_prog, splits)](
         x, qs, w.data["d"], o.part, o.total, o.cnt, N, K, rows_per_group, per,
         BN=cfg.bn, TK=tk, STAGES=cfg.stages, FIXUP=o.fixup, XDIRECT=cfg.xdirect, MAGIC=cfg.magic,
-        num_warps=cfg.warps, launch_pdl=PDL,
+        PREFETCH=cfg.prefetch, num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     return o.result()
 
@@ -845,6 +862,7 @@ class HalfConfig:
     target: int = 1056
     mode: str = "fma"
     fixup: bool = False
+    prefetch: bool = False  # the first k-tile of weights loaded before pdl_wait() (see Q8Config.prefetch)
 
 
 # Defaults, NOT yet timed on a GPU: the lead tunes them with tools/gpu/bench_side.py (cold-L2 GB/s at Flash
@@ -856,8 +874,31 @@ class HalfConfig:
 # config at B = 1 and 8 on every decode shape (attention r4 [2624, 4096] 20.5 -> 13.1 us at B = 1, 43 -> 25 us
 # at B = 8; router 21 -> 10.9 us); tf32x2 bn32 wins at B = 32.
 HALF_SMALL_B = 8
-HMV_SMALL = HalfConfig(bn=4, tk=512, warps=4, stages=3, target=1, mode="fma")
-HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="tf32x2")
+# Env DS4_HALF_PREFETCH=1: HalfConfig.prefetch on both.
+_HALF_PREFETCH = os.environ.get("DS4_HALF_PREFETCH", "0") == "1"
+HMV_SMALL = HalfConfig(bn=4, tk=512, warps=4, stages=3, target=1, mode="fma", prefetch=_HALF_PREFETCH)
+HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="tf32x2", prefetch=_HALF_PREFETCH)
+
+
+@triton.jit
+def _hmv_tile(acc, w, x_ptr, xp, bmask, pid_b, kt, K, col, TK: tl.constexpr, MODE: tl.constexpr):
+    """acc plus k-tile kt of _hmv_kernel: weights w [BN, TK] (f16 / bf16) times the x rows of the program."""
+    w = w.to(tl.float32)  # exact (f16 and bf16 are subsets of f32)
+    if MODE == 4:  # one row of x: a plain 2-D tile, as q8_mv1
+        acc += w * tl.load(x_ptr + pid_b.to(tl.int64) * K + kt * TK + col)[None, :]
+    else:
+        xv = tl.load(xp + kt * TK, mask=bmask[:, None], other=0.0)  # [BB, TK] f32
+        if MODE == 0:
+            acc += xv[:, None, :] * w[None, :, :]
+        elif MODE == 1:  # W is the dot's A operand: M = BN (large), N = BB (mma n8 fits B = 8 unpadded)
+            acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
+        elif MODE == 2:
+            hi = _tf32_hi(xv)
+            acc = tl.dot(w, tl.trans(hi), acc, input_precision="tf32")
+            acc = tl.dot(w, tl.trans(xv - hi), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(w, tl.trans(xv), acc, input_precision="tf32x3")
+    return acc
 
 
 @triton.jit
@@ -877,8 +918,8 @@ def _hmv_kernel(
     MODE: tl.constexpr,
     STAGES: tl.constexpr,
     FIXUP: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_b = tl.program_id(0)  # fastest: the row chunks of one weight tile run together (L2 re-reads)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -897,22 +938,14 @@ def _hmv_kernel(
         acc = tl.zeros([BB, BN, TK], dtype=tl.float32)
     else:
         acc = tl.zeros([BN, BB], dtype=tl.float32)
+    if PREFETCH:  # the first k-tile of weights before the wait: static (see dispatch.PDL_EARLY)
+        w0 = tl.load(wp + kt_lo * TK)
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    if PREFETCH:
+        acc = _hmv_tile(acc, w0, x_ptr, xp, bmask, pid_b, kt_lo, K, col, TK, MODE)
+        kt_lo += 1
     for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
-        w = tl.load(wp + kt * TK).to(tl.float32)  # [BN, TK]: exact (f16 and bf16 are subsets of f32)
-        if MODE == 4:  # one row of x: a plain 2-D tile, as q8_mv1
-            acc += w * tl.load(x_ptr + pid_b.to(tl.int64) * K + kt * TK + col)[None, :]
-        else:
-            xv = tl.load(xp + kt * TK, mask=bmask[:, None], other=0.0)  # [BB, TK] f32
-            if MODE == 0:
-                acc += xv[:, None, :] * w[None, :, :]
-            elif MODE == 1:  # W is the dot's A operand: M = BN (large), N = BB (mma n8 fits B = 8 unpadded)
-                acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
-            elif MODE == 2:
-                hi = _tf32_hi(xv)
-                acc = tl.dot(w, tl.trans(hi), acc, input_precision="tf32")
-                acc = tl.dot(w, tl.trans(xv - hi), acc, input_precision="tf32")
-            else:
-                acc = tl.dot(w, tl.trans(xv), acc, input_precision="tf32x3")
+        acc = _hmv_tile(acc, tl.load(wp + kt * TK), x_ptr, xp, bmask, pid_b, kt, K, col, TK, MODE)
     if MODE == 4:
         y = tl.sum(acc, axis=1)[None, :]
     elif MODE == 0:
@@ -994,8 +1027,8 @@ def hmatvec(x: torch.Tensor, w: torch.Tensor, cfg: HalfConfig | None = None) -> 
     total = torch.empty(B, N, dtype=torch.float32, device=x.device) if cnt is not None else out
     _hmv_kernel[grid](
         x, w, out, total, out if cnt is None else cnt, B, N, K, per,
-        BB=bb, BN=cfg.bn, TK=tk, MODE=mode, STAGES=cfg.stages, FIXUP=cnt is not None, num_warps=cfg.warps,
-        launch_pdl=PDL,
+        BB=bb, BN=cfg.bn, TK=tk, MODE=mode, STAGES=cfg.stages, FIXUP=cnt is not None,
+        PREFETCH=cfg.prefetch, num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     if cnt is not None:
         return total

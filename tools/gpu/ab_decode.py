@@ -14,7 +14,12 @@ Variants (each the other side of an engine default; env names in brackets):
                   is the default)
   1 stream        streams.CONCURRENT off    (DS4_STREAMS=0)     no side-stream branches
   indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
-  all             the off-by-default switches (magic, indexer topk) at once
+  q8 prefetch     matvec.Q8_MV1.prefetch    (DS4_Q8_PREFETCH=1) first weight tile loaded before the wait
+  half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
+  prefetch        both prefetches
+  all             the off-by-default switches (magic, indexer topk, prefetches) at once
+--variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY) is fixed per process: the
+prefetches pay only with it, so run the tool once with DS4_PDL_EARLY=0 and once with 1.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from ds4.bench import synthetic_model  # noqa: E402
-from ds4.kernels import fused  # noqa: E402
+from ds4.kernels import dispatch, fused  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
 from ds4.model.cuda import layer, streams  # noqa: E402
 
@@ -42,10 +47,17 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "hc 2 pass": {(fused, "HC_FINISH_BD"): 1024, (fused, "HC_FINISH_WARPS"): 4},
     "1 stream": {(streams, "CONCURRENT"): False},
     "indexer topk": {(layer, "INDEXER_TOPK"): True},
+    "q8 prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=True)},
+    "half prefetch": {
+        (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),
+        (mv, "HMV_LARGE"): replace(mv.HMV_LARGE, prefetch=True),
+    },
 }
+SWITCHES["prefetch"] = {**SWITCHES["q8 prefetch"], **SWITCHES["half prefetch"]}
 SWITCHES["all"] = {
-    (mv, "Q8_MV1"): replace(BASE_Q8, magic=True),
+    (mv, "Q8_MV1"): replace(BASE_Q8, magic=True, prefetch=True),
     (layer, "INDEXER_TOPK"): True,
+    **SWITCHES["half prefetch"],
 }
 DEFAULTS = {key: getattr(*key) for sw in SWITCHES.values() for key in sw}
 
@@ -76,19 +88,24 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default="", help="comma-separated names of SWITCHES (default: all)")
     a = p.parse_args()
+    picked = [v for v in a.variants.split(",") if v] or list(SWITCHES)
+    if unknown := [v for v in picked if v not in SWITCHES]:
+        p.error(f"unknown variants {unknown}; known: {list(SWITCHES)}")
     if not torch.cuda.is_available():
         print("ab_decode: needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     model = synthetic_model("q2")
-    print(f"synthetic Flash q2 built in {time.perf_counter() - t0:.1f} s; {torch.cuda.get_device_name()}")
+    print(f"synthetic Flash q2 built in {time.perf_counter() - t0:.1f} s; {torch.cuda.get_device_name()}; "
+          f"PDL {dispatch.PDL}, PDL_EARLY {dispatch.PDL_EARLY}")  # fmt: skip
     state = model.new_state(a.ctx + 2 * a.tokens + 8)
     vocab = model.cfg.n_vocab
     with torch.inference_mode():
         logits = model.forward(state, [(i * 7919 + 13) % vocab for i in range(a.ctx)])
     base, first = state.clone(), int(logits.argmax())
-    variants = ["default", *SWITCHES]
+    variants = ["default", *picked]
     tps: dict[str, list[float]] = {v: [] for v in variants}
     with torch.inference_mode():
         for r in range(a.rounds):

@@ -189,6 +189,7 @@ VARIANTS = {
     "default": mv.Q8_MV1,
     "xdirect": replace(mv.Q8_MV1, xdirect=True),
     "magic": replace(mv.Q8_MV1, magic=True),  # loads x directly too
+    "prefetch": replace(mv.Q8_MV1, prefetch=True),  # first weight tile before pdl_wait()
 }
 
 
@@ -387,7 +388,7 @@ def compile_only() -> int:
     for fix in (False, True):
         for name, cfg in VARIANTS.items() if fix else [("default", q8)]:
             consts = {"BN": cfg.bn, "TK": cfg.tk, "STAGES": cfg.stages, "FIXUP": fix, "XDIRECT": cfg.xdirect,
-                      "MAGIC": cfg.magic}  # fmt: skip
+                      "MAGIC": cfg.magic, "PREFETCH": cfg.prefetch}  # fmt: skip
             wpt = cfg.bn * cfg.tk / (32 * cfg.warps)
             qs = "*i32" if cfg.magic else "*i8"
             label = f"q8_mv1 bn{cfg.bn} tk{cfg.tk} {name}"
@@ -402,7 +403,7 @@ def compile_only() -> int:
         runs.append(
             (f"q8_rows BB{bb} BN{rows.bn}", mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt)
         )
-    hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True}  # _split_fixup's other user
+    hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}  # _split_fixup's other user
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))
     print(f"triton {triton.__version__}, sm_90")
     failures = 0

@@ -5,14 +5,26 @@
 #           deep) and decode at 2k / 64k (quick_decode.py);
 #   part b: the ds4-bench sweep 2k -> 8k (3 passes: median leaves the cold one out) and batched decode
 #           (B = 8, 16 checked; B = 32 timed).
+#   part c: the early PDL trigger (dispatch.PDL_EARLY) and the weight prefetch before the wait
+#           (Q8Config.prefetch, HalfConfig.prefetch): kernel + official-case tests with them on, then the
+#           whole-model A/B (tools/gpu/ab_decode.py) in a process without and one with the early trigger.
 # Then: flip model.CTX_BUCKETS / layer.INDEXER_TOPK by their VERDICT lines. Needs .gpu/shared carried (see
-# session5.sh). Usage: bash tools/gpu/session7.sh a|b
+# session5.sh). Usage: bash tools/gpu/session7.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
     tests/test_cuda_batch.py tests/test_kernels_side.py -k "ctx or side_stream or recaptured or official or lane"
   TAIL=8 run ctx 200 python3 tools/gpu/ctx_ab.py --alloc 262144 --rounds 2
   TAIL=4 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
+elif [ "$1" = c ]; then
+  export DS4_PDL=1
+  DS4_PDL_EARLY=1 DS4_Q8_PREFETCH=1 DS4_HALF_PREFETCH=1 TAIL=4 run tests 240 python3 -m pytest -q \
+    -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py tests/test_kernels_side.py \
+    tests/test_cuda_backend.py -k "q8_mv1 or hmatvec or official"
+  for early in 0 1; do
+    DS4_PDL_EARLY=$early TAIL=9 run "ab_early$early" 170 python3 tools/gpu/ab_decode.py --rounds 2 \
+      --variants "q8 prefetch,prefetch"
+  done
 else
   TAIL=8 run sweep 300 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
     --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
