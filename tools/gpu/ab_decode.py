@@ -14,12 +14,11 @@ Variants (each the other side of an engine default; env names in brackets):
                   is the default)
   1 stream        streams.CONCURRENT off    (DS4_STREAMS=0)     no side-stream branches
   indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
-  q8 prefetch     matvec.Q8_MV1.prefetch    (DS4_Q8_PREFETCH=1) first weight tile loaded before the wait
+  q8 no prefetch  matvec.Q8_MV1.prefetch off (DS4_Q8_PREFETCH=0) first weight tile loaded after the wait
   half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
-  prefetch        both prefetches
-  all             the off-by-default switches (magic, indexer topk, prefetches) at once
---variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY) is fixed per process: the
-prefetches pay only with it, so run the tool once with DS4_PDL_EARLY=0 and once with 1.
+  all             the off-by-default switches (magic, indexer topk, half prefetch) at once
+--variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
+the prefetches pay only with it, so time it by running the tool once with DS4_PDL_EARLY=0 and once without.
 """
 
 from __future__ import annotations
@@ -47,15 +46,14 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "hc 2 pass": {(fused, "HC_FINISH_BD"): 1024, (fused, "HC_FINISH_WARPS"): 4},
     "1 stream": {(streams, "CONCURRENT"): False},
     "indexer topk": {(layer, "INDEXER_TOPK"): True},
-    "q8 prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=True)},
+    "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),
         (mv, "HMV_LARGE"): replace(mv.HMV_LARGE, prefetch=True),
     },
 }
-SWITCHES["prefetch"] = {**SWITCHES["q8 prefetch"], **SWITCHES["half prefetch"]}
 SWITCHES["all"] = {
-    (mv, "Q8_MV1"): replace(BASE_Q8, magic=True, prefetch=True),
+    (mv, "Q8_MV1"): replace(BASE_Q8, magic=True),
     (layer, "INDEXER_TOPK"): True,
     **SWITCHES["half prefetch"],
 }

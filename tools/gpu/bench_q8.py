@@ -403,7 +403,8 @@ def compile_only() -> int:
         runs.append(
             (f"q8_rows BB{bb} BN{rows.bn}", mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt)
         )
-    hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}  # _split_fixup's other user
+    # _split_fixup's other user
+    hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))
     print(f"triton {triton.__version__}, sm_90")
     failures = 0

@@ -164,7 +164,8 @@ def _build(b: int, k: int, cfg: HalfConfig):
 
     fn = matvec._hmv_kernel
     bb, tk, mode = matvec.half_tiles(b, k, cfg)
-    consts = {"BB": bb, "BN": cfg.bn, "TK": tk, "MODE": mode, "STAGES": cfg.stages, "FIXUP": cfg.fixup}
+    consts = {"BB": bb, "BN": cfg.bn, "TK": tk, "MODE": mode, "STAGES": cfg.stages, "FIXUP": cfg.fixup,
+              "PREFETCH": cfg.prefetch}  # fmt: skip
     sig = {name: _SIG.get(name, "i32") if name not in consts else "constexpr" for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _SIG}
     src = ASTSource(fn, signature=sig, constexprs=consts, attrs=aligned)

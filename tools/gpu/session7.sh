@@ -4,7 +4,7 @@
 #           then tools/gpu/ctx_ab.py (buckets at a 256k allocation 2k deep; the indexer's torch.topk at 64k
 #           deep) and decode at 2k / 64k (quick_decode.py);
 #   part b: the ds4-bench sweep 2k -> 8k (3 passes: median leaves the cold one out) and batched decode
-#           (B = 8, 16 checked; B = 32 timed).
+#           (B = 8, 16 checked; B = 32 timed), then one eager B = 32 step at 8k profiled (profile_batch.py).
 #   part c: the early PDL trigger (dispatch.PDL_EARLY) and the weight prefetch before the wait
 #           (Q8Config.prefetch, HalfConfig.prefetch): kernel + official-case tests with them on, then the
 #           whole-model A/B (tools/gpu/ab_decode.py) in a process without and one with the early trigger.
@@ -28,6 +28,7 @@ elif [ "$1" = c ]; then
 else
   TAIL=8 run sweep 300 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
     --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
-  TAIL=12 run batch "$(left)" python3 tools/gpu/batch_check.py --batches 32 --check-batches 8,16 \
+  TAIL=12 run batch 330 python3 tools/gpu/batch_check.py --batches 32 --check-batches 8,16 \
     --check-steps 4 --repeats 2 --plain
+  TAIL=24 run profile "$(left)" python3 tools/gpu/profile_batch.py 32 8192
 fi
