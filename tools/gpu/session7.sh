@@ -8,14 +8,22 @@
 #   part c: the early PDL trigger (dispatch.PDL_EARLY) and the weight prefetch before the wait
 #           (Q8Config.prefetch, HalfConfig.prefetch): kernel + official-case tests with them on, then the
 #           whole-model A/B (tools/gpu/ab_decode.py) in a process without and one with the early trigger.
+#   part d: one eager B = 32 step at 8k profiled without PDL (with it a kernel's time includes its wait for
+#           the one before), and the B = 8 batched check without the early trigger / without buckets.
 # Then: flip model.CTX_BUCKETS / layer.INDEXER_TOPK by their VERDICT lines. Needs .gpu/shared carried (see
-# session5.sh). Usage: bash tools/gpu/session7.sh a|b|c
+# session5.sh). Usage: bash tools/gpu/session7.sh a|b|c|d
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
     tests/test_cuda_batch.py tests/test_kernels_side.py -k "ctx or side_stream or recaptured or official or lane"
   TAIL=8 run ctx 200 python3 tools/gpu/ctx_ab.py --alloc 262144 --rounds 2
   TAIL=4 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
+elif [ "$1" = d ]; then
+  DS4_PDL=0 TAIL=22 run profile 150 python3 tools/gpu/profile_batch.py 32 8192
+  for v in DS4_PDL_EARLY DS4_CTX_BUCKETS; do
+    env $v=0 TAIL=3 run "check_no_$v" 150 python3 tools/gpu/batch_check.py --check-batches 8 --check-steps 4 \
+      --skip-time
+  done
 elif [ "$1" = c ]; then
   export DS4_PDL=1
   DS4_PDL_EARLY=1 DS4_Q8_PREFETCH=1 DS4_HALF_PREFETCH=1 TAIL=4 run tests 240 python3 -m pytest -q \
