@@ -50,6 +50,12 @@ DOT_PRECISION = "ieee"
 # runs on the tensor cores at no cost in accuracy (the FMA "ieee" dot took ~42 us per call at 8k context on
 # the H200). Other inputs get bf16-rounded operands, in the twin as in the kernel. Env DS4_INDEX_BF16=0: f32.
 INDEX_BF16 = os.environ.get("DS4_INDEX_BF16", "1") != "0"
+# Precision of attend_decode's two dots (scores q.k, output p.v): DOT_PRECISION, or "bf16x3": on the tensor
+# cores with each f32 operand split into bf16 hi + lo parts, a.b ~ a_hi.b_hi + a_hi.b_lo + a_lo.b_hi with f32
+# accumulation (relative error ~2^-16 per product instead of 2^-24; the keys' 448 FP8-simulated dims are
+# exact in bf16, so there their lo part is zero). The FMA dot is the bound of the kernel: on the H200 a
+# B = 32 step at 8k spent 25.9 ms of 99.6 in it (profile_batch.py, no PDL). Env DS4_ATTEND_PREC.
+ATTEND_PREC = os.environ.get("DS4_ATTEND_PREC", DOT_PRECISION)
 
 # =========================================================================================================
 # Torch twins: the CPU path and the tests' oracles. They build exactly what attention_decode_batch built
@@ -118,6 +124,21 @@ def indexer_scores_ref(qi, wts, rows, slot, count):
 
 
 @triton.jit
+def _split_bf16(x):
+    """f32 x -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative (lo: the rounding error of hi, rounded)."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
+    """acc + a @ b from split operands (_split_bf16): three bf16 tensor-core dots, f32 accumulation."""
+    acc = tl.dot(a_hi, b_lo, acc)
+    acc = tl.dot(a_lo, b_hi, acc)
+    return tl.dot(a_hi, b_hi, acc)  # the large term last: the small ones are not rounded away early
+
+
+@triton.jit
 def _attend_partial(
     q_ptr, raw_ptr, comp_ptr, idx_ptr, slot_ptr, pos_ptr, pm_ptr, pl_ptr, po_ptr,
     H, D, W, cap, NC, ratio, scale, blocks_per_split,
@@ -138,6 +159,8 @@ def _attend_partial(
     d = tl.arange(0, BD)
     dm = d < D
     q = tl.load(q_ptr + (b * H + h)[:, None] * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    if PREC == "bf16x3":
+        q_hi, q_lo = _split_bf16(q)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int32)  # < 2^31; 32-bit: an int64 division is a subroutine call
     n_keys = W + NC
@@ -166,14 +189,23 @@ def _attend_partial(
             vis = vis | cvis
         # one load of the block's rows (two masked loads, ring + compressed, make ptxas spill heavily)
         kv = tl.load(row[:, None] + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision=PREC) * scale  # [BH, BN]
+        if PREC == "bf16x3":
+            k_hi, k_lo = _split_bf16(kv)
+            s = _dot3(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), tl.zeros([BH, BN], tl.float32))
+        else:
+            s = tl.dot(q, tl.trans(kv), input_precision=PREC)
+        s = s * scale  # [BH, BN]
         s = tl.where(vis[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible yet: no NaN
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision=PREC)
+        if PREC == "bf16x3":
+            p_hi, p_lo = _split_bf16(p)
+            acc = _dot3(p_hi, p_lo, k_hi, k_lo, acc * alpha[:, None])
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision=PREC)
         m_i = m_new
     part = (b * NS + sp) * H + h  # [BH]
     tl.store(pm_ptr + part, m_i, mask=hm)
@@ -253,7 +285,7 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
         comp_idx.contiguous() if comp_idx is not None else slot, slot.contiguous(), pos.contiguous(),
         pm, pl, po, H, D, W, cap, NC, max(int(ratio), 1), float(scale), per_split,
         HAS_COMP=comp is not None, HAS_IDX=comp_idx is not None, BH=ATTEND_BH, BN=ATTEND_BN,
-        BD=triton.next_power_of_2(D), PREC=DOT_PRECISION, num_warps=ATTEND_WARPS,
+        BD=triton.next_power_of_2(D), PREC=ATTEND_PREC, num_warps=ATTEND_WARPS,
         launch_pdl=PDL,
     )  # fmt: skip
     _attend_merge[(B, H)](

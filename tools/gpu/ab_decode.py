@@ -16,6 +16,7 @@ Variants (each the other side of an engine default; env names in brackets):
   indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
   q8 no prefetch  matvec.Q8_MV1.prefetch off (DS4_Q8_PREFETCH=0) first weight tile loaded after the wait
   half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
+  attend bf16x3   attend.ATTEND_PREC "bf16x3" (DS4_ATTEND_PREC)  split-bf16 tensor-core attention dots
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
 the prefetches pay only with it, so time it by running the tool once with DS4_PDL_EARLY=0 and once without.
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from ds4.bench import synthetic_model  # noqa: E402
-from ds4.kernels import dispatch, fused  # noqa: E402
+from ds4.kernels import attend, dispatch, fused  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
 from ds4.model.cuda import layer, streams  # noqa: E402
 
@@ -46,6 +47,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "hc 2 pass": {(fused, "HC_FINISH_BD"): 1024, (fused, "HC_FINISH_WARPS"): 4},
     "1 stream": {(streams, "CONCURRENT"): False},
     "indexer topk": {(layer, "INDEXER_TOPK"): True},
+    "attend bf16x3": {(attend, "ATTEND_PREC"): "bf16x3"},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),

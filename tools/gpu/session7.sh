@@ -10,8 +10,11 @@
 #           whole-model A/B (tools/gpu/ab_decode.py) in a process without and one with the early trigger.
 #   part d: one eager B = 32 step at 8k profiled without PDL (with it a kernel's time includes its wait for
 #           the one before), and the B = 8 batched check without the early trigger / without buckets.
+#   part e: split-bf16 tensor-core attention (attend.ATTEND_PREC "bf16x3"): kernel tests, the official cases
+#           with it, bench_attend.py, whole-model A/B at B = 1, B = 32 timed with it; then the B = 8 check
+#           without the early trigger.
 # Then: flip model.CTX_BUCKETS / layer.INDEXER_TOPK by their VERDICT lines. Needs .gpu/shared carried (see
-# session5.sh). Usage: bash tools/gpu/session7.sh a|b|c|d
+# session5.sh). Usage: bash tools/gpu/session7.sh a|b|c|d|e
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
@@ -20,10 +23,18 @@ if [ "$1" = a ]; then
   TAIL=4 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
 elif [ "$1" = d ]; then
   DS4_PDL=0 TAIL=22 run profile 150 python3 tools/gpu/profile_batch.py 32 8192
-  for v in DS4_PDL_EARLY DS4_CTX_BUCKETS; do
-    env $v=0 TAIL=3 run "check_no_$v" 150 python3 tools/gpu/batch_check.py --check-batches 8 --check-steps 4 \
-      --skip-time
-  done
+  DS4_PDL_EARLY=0 TAIL=3 run check_no_early 150 python3 tools/gpu/batch_check.py --check-batches 8 \
+    --check-steps 4 --skip-time
+elif [ "$1" = e ]; then
+  TAIL=3 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py
+  DS4_ATTEND_PREC=bf16x3 TAIL=3 run official 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/test_cuda_backend.py -k official
+  TAIL=22 run bench 120 python3 tools/gpu/bench_attend.py
+  TAIL=6 run ab 150 python3 tools/gpu/ab_decode.py --rounds 2 --variants "attend bf16x3"
+  DS4_ATTEND_PREC=bf16x3 TAIL=4 run batch32 120 python3 tools/gpu/batch_check.py --batches 32 --skip-check \
+    --repeats 2 --plain
+  DS4_PDL_EARLY=0 TAIL=3 run check_no_early "$(left)" python3 tools/gpu/batch_check.py --check-batches 8 \
+    --check-steps 4 --skip-time
 elif [ "$1" = c ]; then
   export DS4_PDL=1
   DS4_PDL_EARLY=1 DS4_Q8_PREFETCH=1 DS4_HALF_PREFETCH=1 TAIL=4 run tests 240 python3 -m pytest -q \
