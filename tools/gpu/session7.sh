@@ -13,8 +13,9 @@
 #   part e: split-bf16 tensor-core attention (attend.ATTEND_PREC "bf16x3"): kernel tests, the official cases
 #           with it, bench_attend.py, whole-model A/B at B = 1, B = 32 timed with it; then the B = 8 check
 #           without the early trigger.
+#   part f: the B = 8 check twice under the defaults (early trigger on): equal figures = deterministic.
 # Then: flip model.CTX_BUCKETS / layer.INDEXER_TOPK by their VERDICT lines. Needs .gpu/shared carried (see
-# session5.sh). Usage: bash tools/gpu/session7.sh a|b|c|d|e
+# session5.sh). Usage: bash tools/gpu/session7.sh a|b|c|d|e|f
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_cuda_backend.py \
@@ -35,6 +36,10 @@ elif [ "$1" = e ]; then
     --repeats 2 --plain
   DS4_PDL_EARLY=0 TAIL=3 run check_no_early "$(left)" python3 tools/gpu/batch_check.py --check-batches 8 \
     --check-steps 4 --skip-time
+elif [ "$1" = f ]; then
+  for i in 1 2; do
+    TAIL=3 run "check8_$i" 75 python3 tools/gpu/batch_check.py --check-batches 8 --check-steps 4 --skip-time
+  done
 elif [ "$1" = c ]; then
   export DS4_PDL=1
   DS4_PDL_EARLY=1 DS4_Q8_PREFETCH=1 DS4_HALF_PREFETCH=1 TAIL=4 run tests 240 python3 -m pytest -q \
