@@ -433,9 +433,10 @@ class Q8Config:
 # or 1024-element tiles were 0-60 % slower).
 # Env DS4_Q8_XDIRECT=0|1 / DS4_Q8_MAGIC=1: the code variants (Q8Config), for whole-model A/B runs. xdirect
 # is on: bench_q8.py --variants on the H200 (2026-12-01) summed a decode step's Q8_0 matvecs to 4.042 ms vs
-# 4.172 ms. prefetch is on (env DS4_Q8_PREFETCH=0: off): whole model 88.96 vs 88.43 tok/s with
-# dispatch.PDL_EARLY, 87.15 vs 86.47 without (tools/gpu/ab_decode.py, session 7). HalfConfig.prefetch
-# measured 88.93 with both (no gain over the Q8_0 one alone): off.
+# 4.172 ms. prefetch is on (env DS4_Q8_PREFETCH=0: off): whole model 87.15 vs 86.47 tok/s without
+# dispatch.PDL_EARLY, 88.96 vs 88.43 with it (tools/gpu/ab_decode.py, session 7); safe either way (static
+# weights only before the wait). HalfConfig.prefetch measured 88.93 with both (no gain over the Q8_0 one
+# alone): off.
 Q8_MV1 = Q8Config(
     bn=8,
     tk=512,

@@ -18,8 +18,8 @@ Variants (each the other side of an engine default; env names in brackets):
   half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
   attend bf16x3   attend.ATTEND_PREC "bf16x3" (DS4_ATTEND_PREC)  split-bf16 tensor-core attention dots
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
---variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
-the prefetches pay only with it, so time it by running the tool once with DS4_PDL_EARLY=0 and once without.
+--variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, off) is fixed per process:
+time it by running the tool once with DS4_PDL_EARLY=1 and once without.
 """
 
 from __future__ import annotations
