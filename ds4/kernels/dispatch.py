@@ -54,7 +54,7 @@ _PDL = tl.constexpr(PDL)
 # passed with it, but the B = 8 batched-vs-alone check (tools/gpu/batch_check.py) measured 2.59e-2 of the
 # logit std with it (over the 2e-2 bar) and 1.84e-3 without, B = 16 1.75e-3 both ways. Whether that is a
 # visibility race or a deterministic change is not known yet (tools/gpu/session7.sh f runs the check twice;
-# test_cuda_batch's repeat test asserts bit-identical replays). Env DS4_PDL_EARLY=1: on (a compile-time
+# test_cuda_backend's replay test asserts bit-identical repeats). Env DS4_PDL_EARLY=1: on (a compile-time
 # constant of every kernel: one value per process).
 PDL_EARLY = PDL and os.environ.get("DS4_PDL_EARLY", "0") == "1"
 _PDL_EARLY = tl.constexpr(PDL_EARLY)

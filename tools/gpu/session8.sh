@@ -1,0 +1,26 @@
+#!/bin/bash
+# Device calls prepared in session 7 (after its GPU time was spent), one part per call:
+#   part a: the shipped defaults measured as shipped (split-bf16 attention, Q8_0 prefetch, context buckets,
+#           early PDL trigger off): GPU tests (replays repeatable, official cases, attention kernels), the
+#           ds4-bench sweep 2k -> 8k (3 passes), decode at 64k;
+#   part b: the early trigger's question: the replay test and the B = 8 check twice with DS4_PDL_EARLY=1
+#           (equal figures and a passing test: deterministic, then flip it on by the A/B of session 7), and
+#           batched decode under the defaults (B = 8, 16 checked; B = 32 timed).
+# Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session8.sh a|b
+source "$(dirname "$0")/session_lib.sh"
+if [ "$1" = a ]; then
+  TAIL=3 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py \
+    tests/test_cuda_backend.py -k "attend or repeatable or official"
+  TAIL=6 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
+    --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
+  TAIL=4 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
+else
+  DS4_PDL_EARLY=1 TAIL=3 run replay 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/test_cuda_backend.py -k repeatable
+  for i in 1 2; do
+    DS4_PDL_EARLY=1 TAIL=3 run "check8_early_$i" 75 python3 tools/gpu/batch_check.py --check-batches 8 \
+      --check-steps 4 --skip-time
+  done
+  TAIL=10 run batch "$(left)" python3 tools/gpu/batch_check.py --batches 32 --check-batches 8,16 \
+    --check-steps 4 --repeats 2 --plain
+fi
