@@ -193,6 +193,25 @@ def test_q8_rows_f32_accurate(b, n, k):
     assert rel_err(bf16, want) > 10 * rel_err(got, want)
 
 
+# q8_rows's block-product modes (matvec.Q8_ROWS_MODES): "bf16x3" within the f32 bound as "tf32x2"; "bf16x2"
+# (x as bf16 hi + lo, ~2^-17 per product) measured 1e-5 under the interpreter: bound 4e-5, still 50x under
+# the bf16 tiles' error.
+BF16X2_TOL = 4e-5
+
+
+@pytest.mark.parametrize("mode", matvec.Q8_ROWS_MODES)
+@pytest.mark.parametrize(("b", "n", "k"), [(9, 64, 256), (33, 128, 1024)], ids=str)
+def test_q8_rows_modes(mode, b, n, k):
+    w = packed(GGMLType.Q8_0, (n, k), seed=70 + b)
+    x = torch.randn(b, k, generator=generator(70 + b), device=DEVICE) * 3.0
+    want = ref.qmatvec(x, w)
+    err = rel_err(matvec.q8_rows(x, w, n, matvec.Q8RowsConfig(mode=mode)), want)
+    assert err < (BF16X2_TOL if mode == "bf16x2" else F32_TOL)
+    assert 50 * err < rel_err(matvec.qmatvec(x.bfloat16(), w), want)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        matvec.q8_rows(x, w, n, matvec.Q8RowsConfig(mode="fp8"))
+
+
 def test_q8_rows_grouped_and_bad_tile():
     w = packed(GGMLType.Q8_0, (3, 64, 256), seed=60)
     x = torch.randn(12, 3, 256, generator=generator(60), device=DEVICE)
@@ -376,10 +395,14 @@ def test_q8_mv1_flash_shapes_cuda(cfg):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("mode", matvec.Q8_ROWS_MODES)
 @pytest.mark.parametrize("b", [9, 16, 32, 64])
-def test_q8_rows_flash_shapes_cuda(b):
-    """q8_rows at q_a+kv / q_b / o_a (8 groups) / head widths, f32 bound; the bf16 tiles fail that bound."""
+def test_q8_rows_flash_shapes_cuda(b, mode, monkeypatch):
+    """q8_rows at q_a+kv / q_b / o_a (8 groups) / head widths, f32 bound (bf16x2: its own); the bf16 tiles
+    fail that bound."""
     assert CUDA
+    monkeypatch.setattr(matvec, "Q8_ROWS", matvec.Q8RowsConfig(mode=mode))
+    tol = BF16X2_TOL if mode == "bf16x2" else F32_TOL
     for n, k, groups in ((1536, 4096, 1), (32768, 1024, 1), (1024, 4096, 8), (129280, 4096, 1)):
         w = packed(GGMLType.Q8_0, (groups, n, k) if groups > 1 else (n, k), seed=25)
         x = torch.randn(b, groups, k, generator=generator(25), device=DEVICE)
@@ -387,7 +410,7 @@ def test_q8_rows_flash_shapes_cuda(b):
             got, want = matvec.qmatvec_grouped(x, w), ref.qmatvec_grouped(x, w)
         else:
             got, want = matvec.qmatvec(x[:, 0], w), ref.qmatvec(x[:, 0], w)
-        assert rel_err(got, want) < F32_TOL, (n, k, groups)
+        assert rel_err(got, want) < tol, (n, k, groups)
 
 
 @pytest.mark.cuda

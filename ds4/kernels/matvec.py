@@ -674,12 +674,22 @@ class Q8RowsConfig:
     warps: int = 4
     stages: int = 3
     target: int = 1056
+    mode: str = "tf32x2"  # Q8_ROWS_MODES
+
+
+# The products of a block: "tf32x2" (above: x as tf32 hi + lo, two tf32 MMAs, ~2^-21 per product), or the
+# quants as bf16 (8-bit integers: exact) times x split into bf16 parts, each the rounding error of the ones
+# before, rounded: "bf16x2" hi + lo (~2^-17 per product: 1e-5 of the output under the interpreter vs 3e-7),
+# "bf16x3" hi + mid + lo (~2^-25). The H200 runs bf16 MMAs at twice the tf32 rate on half the operand bytes:
+# 2 or 3 bf16 MMAs against 2 tf32 ones. Not yet timed (tools/gpu/bench_q8.py --rows times the three);
+# env DS4_Q8_ROWS_MODE.
+Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3")
 
 
 # Not yet timed on a GPU (2026-12-01): tools/gpu/bench_q8.py --rows times it against the dense bf16 GEMM it
 # replaces in batched decode. sm_90 builds (bench_q8.py --compile-only): 65 / 96 / 150 registers at BB = 16 /
 # 32 / 64, no spills, 10-28 KB of shared memory.
-Q8_ROWS = Q8RowsConfig()
+Q8_ROWS = Q8RowsConfig(mode=os.environ.get("DS4_Q8_ROWS_MODE", "tf32x2"))
 
 
 @triton.jit
@@ -700,9 +710,11 @@ def _q8_rows_kernel(
     BN: tl.constexpr,
     STAGES: tl.constexpr,
     FIXUP: tl.constexpr,
+    MODE: tl.constexpr,
 ):
     """Partials out [S, B, N] of x [B, G * K] (row n reads group n // NG) @ W^T, program (row tile, batch
-    tile, split); FIXUP: the last split of each tile also writes the sum to sum_ptr [B, N]."""
+    tile, split); FIXUP: the last split of each tile also writes the sum to sum_ptr [B, N]. MODE: the
+    block products (Q8RowsConfig.mode)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -720,12 +732,24 @@ def _q8_rows_kernel(
     kb_hi = tl.minimum(kb_lo + kb_per_split, K // 32)
     acc = tl.zeros([BN, BB], dtype=tl.float32)
     for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
-        q = tl.load(qp + kb * 32).to(tl.float32)  # [BN, 32] integers: exact in tf32
         d = tl.load(dp + kb).to(tl.float32)  # [BN]
         xv = tl.load(xp + kb * 32, mask=bmask[:, None], other=0.0)  # [BB, 32] f32
-        hi = _tf32_hi(xv)
-        part = tl.dot(q, tl.trans(hi), input_precision="tf32")
-        part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
+        if MODE == "bf16x2" or MODE == "bf16x3":
+            q = tl.load(qp + kb * 32).to(tl.float32).to(tl.bfloat16)  # [BN, 32] 8-bit integers: exact
+            hi = xv.to(tl.bfloat16)
+            r = xv - hi.to(tl.float32)  # exact
+            mid = r.to(tl.bfloat16)
+            if MODE == "bf16x3":
+                part = tl.dot(q, tl.trans((r - mid.to(tl.float32)).to(tl.bfloat16)))
+                part = tl.dot(q, tl.trans(mid), part)
+            else:
+                part = tl.dot(q, tl.trans(mid))
+            part = tl.dot(q, tl.trans(hi), part)  # [BN, BB]; the small terms first
+        else:
+            q = tl.load(qp + kb * 32).to(tl.float32)  # [BN, 32] integers: exact in tf32
+            hi = _tf32_hi(xv)
+            part = tl.dot(q, tl.trans(hi), input_precision="tf32")
+            part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
         acc += part * d[:, None]
     tile = pid_n * tl.num_programs(1) + pid_b
     _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
@@ -746,13 +770,16 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
     group n // rows_per_group (rows_per_group = N: a plain matmul). cfg: tile (default Q8_ROWS)."""
     cfg = cfg or Q8_ROWS
     B, N, K = x.shape[0], w.rows, w.K
+    if cfg.mode not in Q8_ROWS_MODES:
+        raise ValueError(f"q8_rows: mode must be one of {Q8_ROWS_MODES}, got {cfg.mode!r}")
     if rows_per_group % cfg.bn and rows_per_group != N:
         raise ValueError(f"q8_rows: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
     bb, per, grid = q8_rows_plan(B, N, K, cfg)
     o = split_outputs(x.device, grid[2], grid[0] * grid[1], (B, N))  # partials [S, B, N]
     _q8_rows_kernel[grid](
         x, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, x.stride(0), per,
-        BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, num_warps=cfg.warps, launch_pdl=PDL,
+        BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode, num_warps=cfg.warps,
+        launch_pdl=PDL,
     )  # fmt: skip
     return o.result()
 

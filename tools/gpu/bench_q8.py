@@ -397,12 +397,12 @@ def compile_only() -> int:
             consts = {"QT": 8, "BB": bb, "BN": bn, "TK": tk, "SW": tk, "USE_DOT": dot, "FIXUP": fix}
             runs.append((f"qmv tiles BB{bb} BN{bn}{' dot' * dot}", mv._qmv_kernel, consts, 4, xt, "*i8", 0))
     rows = mv.Q8_ROWS
-    for bb in (16, 32, 64):
-        consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True}
-        wpt = rows.bn * 32 / (32 * rows.warps)
-        runs.append(
-            (f"q8_rows BB{bb} BN{rows.bn}", mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt)
-        )
+    for mode in mv.Q8_ROWS_MODES:
+        for bb in (16, 32, 64):
+            consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True, "MODE": mode}
+            wpt = rows.bn * 32 / (32 * rows.warps)
+            label = f"q8_rows {mode} BB{bb} BN{rows.bn}"
+            runs.append((label, mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
     # _split_fixup's other user
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))

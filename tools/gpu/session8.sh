@@ -6,7 +6,10 @@
 #   part b: the early trigger's question: the replay test and the B = 8 check twice with DS4_PDL_EARLY=1
 #           (equal figures and a passing test: deterministic, then flip it on by the A/B of session 7), and
 #           batched decode under the defaults (B = 8, 16 checked; B = 32 timed).
-# Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session8.sh a|b
+#   part c: q8_rows's block-product modes (matvec.Q8_ROWS_MODES: tf32x2, bf16x2, bf16x3; their GPU tests,
+#           then bench_q8.py --rows per mode); set DS4_Q8_ROWS_MODE's default by its per-step VERDICT, then
+#           re-run batch_check B = 16 checked / 32 timed with it.
+# Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session8.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py \
@@ -14,6 +17,12 @@ if [ "$1" = a ]; then
   TAIL=6 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
     --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
   TAIL=4 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
+elif [ "$1" = c ]; then
+  TAIL=3 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    -k q8_rows
+  for m in tf32x2 bf16x2 bf16x3; do
+    DS4_Q8_ROWS_MODE=$m TAIL=8 run "rows_$m" 120 python3 tools/gpu/bench_q8.py --rows
+  done
 else
   DS4_PDL_EARLY=1 TAIL=3 run replay 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
     tests/test_cuda_backend.py -k repeatable
