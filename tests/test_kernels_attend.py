@@ -124,6 +124,29 @@ def test_attend_decode_bf16x3(positions, mode: str, monkeypatch) -> None:
     assert err > 1e-7  # the split dots did run (the FMA dots land near 1e-7)
 
 
+@pytest.mark.parametrize("positions", TINY_POS[:4])
+@pytest.mark.parametrize("mode", ["topk", "all", "none"])
+@pytest.mark.parametrize("programs", [1, 264])  # one split (merged alone) / many splits per head block
+def test_attend_decode_fused_merge(positions, mode: str, programs: int, monkeypatch) -> None:
+    """attend.FUSED_MERGE (the last split program merges) against the two-launch path: the same sums up to
+    the order of the denominator's terms; run twice (the tile counters re-arm), then the counters are 0."""
+    from ds4.kernels import matvec
+
+    monkeypatch.setattr(attend, "ATTEND_PROGRAMS", programs)
+    monkeypatch.setattr(attend, "ATTEND_PREC", "ieee")
+    # 20 heads: a partial head block
+    args = _case(3, 20, 64, 8, 5, 20 if mode != "all" else 52, 6, 4, 8, list(positions), seed=sum(positions),
+                 comp=mode != "none", idx=mode == "topk")  # fmt: skip
+    two = _run(args)
+    monkeypatch.setattr(attend, "FUSED_MERGE", True)
+    once, again = _run(args), _run(args)
+    assert torch.equal(once, again)
+    assert _max_rel(once, two) < 1e-6
+    assert _max_rel(once, _oracle(*args)) < 1e-5
+    cnt = matvec._split_counters(torch.device(DEVICE), 1)
+    assert cnt is not None and not cnt.any()
+
+
 @pytest.mark.parametrize("W,D,H,P", [(24, 32, 20, 4), (5, 48, 1, 24)])
 def test_attend_decode_odd_shapes(W: int, D: int, H: int, P: int) -> None:
     """Window not a multiple of the key block, heads not of the head block, RoPE over the whole row."""
@@ -246,8 +269,10 @@ def _flash_positions(B: int, seed: int, top: int) -> list[int]:
 @pytest.mark.cuda
 @pytest.mark.parametrize("B", [1, 7, 32])
 @pytest.mark.parametrize("mode", ["topk", "all", "none"])
-@pytest.mark.parametrize("prec", ["ieee", "bf16x3"])
+@pytest.mark.parametrize("prec", ["ieee", "bf16x3", "bf16x3-fused"])
 def test_attend_decode_flash(B: int, mode: str, prec: str, monkeypatch) -> None:
+    monkeypatch.setattr(attend, "FUSED_MERGE", prec.endswith("-fused"))
+    prec = prec.removesuffix("-fused")
     monkeypatch.setattr(attend, "ATTEND_PREC", prec)
     cap, ratio = (16384 if B < 8 else 4096, 4) if mode != "all" else (66, 128)  # 4096: host memory of B slots
     positions = _flash_positions(B, B, cap * ratio - 1)

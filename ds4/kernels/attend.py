@@ -32,11 +32,13 @@ import triton.language as tl
 from .dispatch import PDL, pdl_wait
 from .dispatch import require as _check
 from .dispatch import use_triton as _use_triton
+from .matvec import _split_counters
 
 # Tiling (to be tuned on the H200): heads per program, keys per inner block, splits aimed at this many
 # programs in all (about two per SM), rows per indexer program and per inner dot.
 ATTEND_BH = 16
 ATTEND_BN = 32  # bf16x3 at B = 32, 8k (bench_attend.py, H200): ratio-4 layer 154 us vs 231 at 16; B = 1 equal
+ATTEND_BN_FMA = 16  # the FMA dots ("ieee"): at 32 keys they spill (808 B per thread on sm_90)
 ATTEND_PROGRAMS = 264
 ATTEND_WARPS = 8
 INDEX_BC = 64
@@ -60,6 +62,11 @@ INDEX_BF16 = os.environ.get("DS4_INDEX_BF16", "1") != "0"
 # (ab_decode.py), a B = 32 step 98.34 -> 80.55 ms (batch_check.py); the official cases pass with it. Env
 # DS4_ATTEND_PREC=ieee: the FMA dots.
 ATTEND_PREC = os.environ.get("DS4_ATTEND_PREC", "bf16x3")
+# The merge of the key splits done by the last split program of each (row, head block) (an atomic counter
+# per tile, as the Q8_0 kernels' split-K fixup) instead of a second launch: one launch less per layer (the
+# merge kernel took 0.32 ms of a B = 1 step's kernel time, ~7 us a call). Not yet timed; env
+# DS4_ATTEND_FUSED_MERGE=1: on.
+FUSED_MERGE = os.environ.get("DS4_ATTEND_FUSED_MERGE", "0") == "1"
 
 # =========================================================================================================
 # Torch twins: the CPU path and the tests' oracles. They build exactly what attention_decode_batch built
@@ -143,17 +150,56 @@ def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
 
 
 @triton.jit
+def _merge_heads(pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, hm, pos, NS, H, D, R,
+                 BH: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+    """_attend_merge for the heads h [BH] of row b at once, by the last split program of the head block
+    (FUSED_MERGE): the other programs' partials are read from L2 (.cg), in split order as the merge does."""
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
+    big = sink
+    for k in range(0, NS):
+        big = tl.maximum(
+            big, tl.load(pm_ptr + (b * NS + k) * H + h, mask=hm, other=0.0, cache_modifier=".cg")
+        )
+    den = tl.exp(sink - big)
+    i = tl.arange(0, BP)
+    im = 2 * i < D
+    mask = hm[:, None] & im[None, :]
+    a = tl.zeros([BH, BP], tl.float32)  # even dims
+    c = tl.zeros([BH, BP], tl.float32)  # odd dims
+    for k in range(0, NS):
+        part = (b * NS + k) * H + h
+        wk = tl.exp(tl.load(pm_ptr + part, mask=hm, other=0.0, cache_modifier=".cg") - big)
+        den += wk * tl.load(pl_ptr + part, mask=hm, other=0.0, cache_modifier=".cg")
+        row = po_ptr + part[:, None] * D + 2 * i[None, :]
+        a += wk[:, None] * tl.load(row, mask=mask, other=0.0, cache_modifier=".cg")
+        c += wk[:, None] * tl.load(row + 1, mask=mask, other=0.0, cache_modifier=".cg")
+    a = a / den[:, None]
+    c = c / den[:, None]
+    jr = i - (D - R) // 2  # rotated pair index, < 0 in the nope part
+    rot = jr >= 0
+    ang = pos.to(tl.float32) * tl.load(inv_ptr + jr, mask=rot & im, other=0.0)  # f32, as _attend_merge
+    cs = tl.where(rot, tl.cos(ang), 1.0)[None, :]
+    sn = tl.where(rot, tl.sin(ang), 0.0)[None, :]
+    out = out_ptr + (b * H + h)[:, None] * D + 2 * i[None, :]
+    tl.store(out, a * cs + c * sn, mask=mask)  # rotation by -ang
+    tl.store(out + 1, c * cs - a * sn, mask=mask)
+
+
+@triton.jit
 def _attend_partial(
     q_ptr, raw_ptr, comp_ptr, idx_ptr, slot_ptr, pos_ptr, pm_ptr, pl_ptr, po_ptr,
-    H, D, W, cap, NC, ratio, scale, blocks_per_split,
+    sink_ptr, inv_ptr, out_ptr, cnt_ptr,
+    H, D, W, cap, NC, ratio, scale, blocks_per_split, R,
     HAS_COMP: tl.constexpr, HAS_IDX: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, MERGE: tl.constexpr, BP: tl.constexpr,
 ):  # fmt: skip
     """Program (b, split, head block): running max m, sum l and output acc over the split's keys.
 
     Key j < W is ring row j (visible iff j <= pos: below W the ring is not yet full); key j >= W is
     compressed row c = comp_idx[b, j - W] (or j - W), visible iff c < (pos + 1) // ratio. Invisible keys are
-    never loaded (masked to 0) and score -inf. Writes pm/pl [B, NS, H] and po [B, NS, H, D]."""
+    never loaded (masked to 0) and score -inf. Writes pm/pl [B, NS, H] and po [B, NS, H, D]; MERGE: the
+    last split of each (b, head block) (counter cnt_ptr[b * head blocks + block]) then merges them into
+    out [B, H, D] (_merge_heads) and re-arms the counter."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     sp = tl.program_id(1)
@@ -215,6 +261,15 @@ def _attend_partial(
     tl.store(pm_ptr + part, m_i, mask=hm)
     tl.store(pl_ptr + part, l_i, mask=hm)
     tl.store(po_ptr + part[:, None] * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+    if MERGE:
+        tile = b * tl.num_programs(2) + tl.program_id(2)
+        tl.debug_barrier()  # all threads' partial stores precede the release below
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")  # gpu scope: publishes, sees the others
+        if done == NS - 1:
+            _merge_heads(
+                pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, hm, pos, NS, H, D, R, BH, BP
+            )
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # re-armed (kernel boundaries order it)
 
 
 @triton.jit
@@ -261,9 +316,14 @@ def _attend_merge(
     tl.store(out + 1, c * cs - a * sn, mask=im)
 
 
+def _key_block() -> int:
+    """Keys per inner block of _attend_partial at the current ATTEND_PREC."""
+    return ATTEND_BN if ATTEND_PREC == "bf16x3" else ATTEND_BN_FMA
+
+
 def _splits(B: int, H: int, n: int) -> tuple[int, int]:
     """(NS, key blocks per split): enough programs to fill the GPU when B is small, never empty splits."""
-    blocks = max(1, triton.cdiv(n, ATTEND_BN))
+    blocks = max(1, triton.cdiv(n, _key_block()))
     per_row = B * triton.cdiv(H, ATTEND_BH)
     want = max(1, min(blocks, triton.cdiv(ATTEND_PROGRAMS, per_row)))
     per_split = triton.cdiv(blocks, want)
@@ -284,20 +344,23 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
     if B == 0:
         return out
     q = q.float().contiguous()
-    _attend_partial[(B, NS, triton.cdiv(H, ATTEND_BH))](
+    sinks, inv_freq, pos = sinks.float().contiguous(), inv_freq.float().contiguous(), pos.contiguous()
+    n_hb = triton.cdiv(H, ATTEND_BH)
+    cnt = _split_counters(dev, B * n_hb) if FUSED_MERGE else None  # None: the two-launch path
+    _attend_partial[(B, NS, n_hb)](
         q, raw, comp if comp is not None else raw,
-        comp_idx.contiguous() if comp_idx is not None else slot, slot.contiguous(), pos.contiguous(),
-        pm, pl, po, H, D, W, cap, NC, max(int(ratio), 1), float(scale), per_split,
-        HAS_COMP=comp is not None, HAS_IDX=comp_idx is not None, BH=ATTEND_BH, BN=ATTEND_BN,
-        BD=triton.next_power_of_2(D), PREC=ATTEND_PREC, num_warps=ATTEND_WARPS,
-        launch_pdl=PDL,
+        comp_idx.contiguous() if comp_idx is not None else slot, slot.contiguous(), pos,
+        pm, pl, po, sinks, inv_freq, out, pm if cnt is None else cnt,
+        H, D, W, cap, NC, max(int(ratio), 1), float(scale), per_split, 2 * inv_freq.numel(),
+        HAS_COMP=comp is not None, HAS_IDX=comp_idx is not None, BH=ATTEND_BH, BN=_key_block(),
+        BD=triton.next_power_of_2(D), PREC=ATTEND_PREC, MERGE=cnt is not None,
+        BP=triton.next_power_of_2(D // 2), num_warps=ATTEND_WARPS, launch_pdl=PDL,
     )  # fmt: skip
-    _attend_merge[(B, H)](
-        pm, pl, po, sinks.float().contiguous(), pos.contiguous(), inv_freq.float().contiguous(), out,
-        NS, H, D, 2 * inv_freq.numel(), BS=triton.next_power_of_2(NS), BP=triton.next_power_of_2(D // 2),
-        num_warps=4,
-        launch_pdl=PDL,
-    )  # fmt: skip
+    if cnt is None:
+        _attend_merge[(B, H)](
+            pm, pl, po, sinks, pos, inv_freq, out, NS, H, D, 2 * inv_freq.numel(),
+            BS=triton.next_power_of_2(NS), BP=triton.next_power_of_2(D // 2), num_warps=4, launch_pdl=PDL,
+        )  # fmt: skip
     return out
 
 

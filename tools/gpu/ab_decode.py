@@ -16,7 +16,8 @@ Variants (each the other side of an engine default; env names in brackets):
   indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
   q8 no prefetch  matvec.Q8_MV1.prefetch off (DS4_Q8_PREFETCH=0) first weight tile loaded after the wait
   half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
-  attend bf16x3   attend.ATTEND_PREC "bf16x3" (DS4_ATTEND_PREC)  split-bf16 tensor-core attention dots
+  attend fma      attend.ATTEND_PREC "ieee" (DS4_ATTEND_PREC=ieee)  the FMA attention dots (bf16x3: default)
+  attend fused    attend.FUSED_MERGE        (DS4_ATTEND_FUSED_MERGE=1) the split merge in the partial kernel
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, off) is fixed per process:
 time it by running the tool once with DS4_PDL_EARLY=1 and once without.
@@ -47,7 +48,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "hc 2 pass": {(fused, "HC_FINISH_BD"): 1024, (fused, "HC_FINISH_WARPS"): 4},
     "1 stream": {(streams, "CONCURRENT"): False},
     "indexer topk": {(layer, "INDEXER_TOPK"): True},
-    "attend bf16x3": {(attend, "ATTEND_PREC"): "bf16x3"},
+    "attend fma": {(attend, "ATTEND_PREC"): "ieee"},
+    "attend fused": {(attend, "FUSED_MERGE"): True},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),

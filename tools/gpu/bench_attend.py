@@ -4,9 +4,10 @@ On the H200:   PYTHONPATH=. python3 tools/gpu/bench_attend.py
 
 Flash decode shapes: H 64 heads, D 512, W 128 ring rows, RoPE over the last 64 dims; a ratio-4 layer (top 512
 of 2,048 compressed rows, 8k context) and a ratio-128 layer (all 64 rows), B = 1 and 32 rows at positions
-near 8k. Per configuration (ATTEND_PREC, ATTEND_BH / BN / WARPS): the median time (triton.testing.do_bench,
-partial + merge launches) and the max error vs the f32 torch twin relative to the output's max. The keys'
-first 448 dims are FP8-simulated like the model's KV rows (exact in bf16), the RoPE tail is plain f32.
+near 8k. Per configuration (ATTEND_PREC, ATTEND_BH / BN / WARPS, FUSED_MERGE): the median time
+(triton.testing.do_bench, partial + merge launches) and the max error vs the f32 torch twin relative to the
+output's max. The keys' first 448 dims are FP8-simulated like the model's KV rows (exact in bf16), the RoPE
+tail is plain f32.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import triton.testing  # noqa: E402
 from ds4.kernels import attend  # noqa: E402
 
 H, D, W, P, TOPK = 64, 512, 128, 32, 512
-CONFIGS = [  # (precision, heads per program, keys per block, warps)
-    ("ieee", 16, 16, 8),
-    ("bf16x3", 16, 16, 8),
-    ("bf16x3", 16, 32, 8),
-    ("bf16x3", 16, 16, 4),
-    ("bf16x3", 32, 16, 8),
+CONFIGS = [  # (precision, heads per program, keys per block, warps, merge fused into the partial kernel)
+    ("ieee", 16, 16, 8, False),
+    ("bf16x3", 16, 16, 8, False),
+    ("bf16x3", 16, 32, 8, False),
+    ("bf16x3", 16, 32, 8, True),
+    ("bf16x3", 16, 64, 8, False),
+    ("bf16x3", 32, 16, 8, False),
 ]
+SWITCHES = ("ATTEND_PREC", "ATTEND_BH", "ATTEND_BN", "ATTEND_WARPS", "FUSED_MERGE")
 
 
 def _fp8_keys(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,9 @@ def case(B: int, ratio: int, seed: int):
 
 
 def run_config(cfg, args) -> tuple[float, float]:
-    attend.ATTEND_PREC, attend.ATTEND_BH, attend.ATTEND_BN, attend.ATTEND_WARPS = cfg
+    for name, value in zip(SWITCHES, cfg, strict=True):
+        setattr(attend, name, value)
+    attend.ATTEND_BN_FMA = attend.ATTEND_BN
     want = attend.attend_decode_ref(*args)
     got = attend.attend_decode(*args)
     err = float((got - want).abs().max() / want.abs().max())
@@ -69,7 +74,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_attend: needs a CUDA GPU", file=sys.stderr)
         return 2
-    default = (attend.ATTEND_PREC, attend.ATTEND_BH, attend.ATTEND_BN, attend.ATTEND_WARPS)
+    default = tuple(getattr(attend, name) for name in (*SWITCHES, "ATTEND_BN_FMA"))
     print(f"default {default}; us per call (partial + merge), error vs the f32 twin / max |out|")
     for B in (1, 32):
         for ratio in (4, 128):
@@ -77,11 +82,12 @@ def main() -> int:
             for cfg in CONFIGS:
                 try:
                     us, err = run_config(cfg, args)
-                    name = f"{cfg[0]:7s} bh {cfg[1]:2d} bn {cfg[2]:2d} w {cfg[3]}"
+                    name = f"{cfg[0]:7s} bh {cfg[1]:2d} bn {cfg[2]:2d} w {cfg[3]}" + " fused" * cfg[4]
                     print(f"  B {B:2d} ratio {ratio:3d}  {name}: {us:8.1f} us  err {err:.1e}", flush=True)
                 except Exception as e:  # report every configuration
                     print(f"  B {B:2d} ratio {ratio:3d}  {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
-    attend.ATTEND_PREC, attend.ATTEND_BH, attend.ATTEND_BN, attend.ATTEND_WARPS = default
+    for name, value in zip((*SWITCHES, "ATTEND_BN_FMA"), default, strict=True):
+        setattr(attend, name, value)
     return 0
 
 
