@@ -2,7 +2,8 @@
 # Device calls prepared in session 7 (after its GPU time was spent), one part per call:
 #   part a: the shipped defaults measured as shipped (split-bf16 attention, Q8_0 prefetch, context buckets,
 #           early PDL trigger off): GPU tests (replays repeatable, official cases, attention kernels), the
-#           ds4-bench sweep 2k -> 8k (3 passes), decode at 64k;
+#           ds4-bench sweep 2k -> 8k (3 passes), the attention tiles and the fused split merge
+#           (attend.FUSED_MERGE: bench_attend.py, then ab_decode.py), decode at 64k;
 #   part b: the early trigger's question: the replay test and the B = 8 check twice with DS4_PDL_EARLY=1
 #           (equal figures and a passing test: deterministic, then flip it on by the A/B of session 7), and
 #           batched decode under the defaults (B = 8, 16 checked; B = 32 timed).
@@ -16,6 +17,8 @@ if [ "$1" = a ]; then
     tests/test_cuda_backend.py -k "attend or repeatable or official"
   TAIL=6 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
     --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
+  TAIL=24 run bench_attend 90 python3 tools/gpu/bench_attend.py
+  TAIL=6 run ab 150 python3 tools/gpu/ab_decode.py --rounds 2 --variants "attend fused"
   TAIL=4 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
 elif [ "$1" = c ]; then
   TAIL=3 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
