@@ -379,3 +379,47 @@ def test_ctx_buckets_change_no_logit(official_gguf, monkeypatch, batched: bool):
     monkeypatch.setattr(cm, "ctx_bound", lambda tokens, ctx: 40)  # 10 rows ranked; sessions reach 16
     wrong = _greedy_logits(model, True, monkeypatch, batched)
     assert any(not torch.equal(a, b) for a, b in zip(wrong, want, strict=True))
+
+
+# ---- graph capture warm-up (DeviceKVState.step_restorer) --------------------------------------------------
+
+
+def _visible(state: DeviceKVState) -> list[torch.Tensor]:
+    """What a snapshot of the state holds (DeviceKVState.to_cpu)."""
+    fields = ("raw", "comp", "comp_kv", "comp_score", "index", "index_kv", "index_score")
+    layers = state.to_cpu().layers
+    return [t for kv in layers for t in (getattr(kv, f) for f in fields) if t is not None]
+
+
+@pytest.mark.parametrize("which", ["official", "synthetic"])
+def test_warm_up_step_restored_then_replayed_equals_one_step(which, official_gguf, tiny_model):
+    """A decode graph's capture runs the step once for real (warm-up) and puts back only what
+    step_restorer saved; the replay must then equal the step run once, bit for bit (logits, every buffer),
+    and between the two the state must snapshot as before the step. Positions cross window wraps,
+    ratio-4 / 32 / 128 row completions and the indexer selecting. Without the restore, it does not hold."""
+    model = _model(official_gguf) if which == "official" else tiny_model
+    V, steps = model.cfg.n_vocab, (45 if which == "official" else 130)  # to 49 / 134: past 36 / 127
+    st = model.new_state(200)
+    model.forward(st, [(j * 31) % V for j in range(5)])
+    unrestored_differs = False
+    with torch.inference_mode():
+        for _ in range(steps):
+            p = st.n_tokens
+            tok, pos = torch.tensor([(p * 7919 + 3) % V]), torch.tensor([p])
+            once = st.clone()
+            want = model.decode_step(once, tok, pos)
+            before = _visible(st)
+            if not unrestored_differs:  # the step twice without restoring anything
+                twice = st.clone()
+                model.decode_step(twice, tok, pos)
+                unrestored_differs = not torch.equal(model.decode_step(twice, tok, pos), want) or any(
+                    not torch.equal(a, b) for a, b in zip(_buffers(twice), _buffers(once), strict=True)
+                )
+            restore = st.step_restorer(pos)
+            model.decode_step(st, tok, pos)  # the warm-up
+            restore()
+            assert all(torch.equal(a, b) for a, b in zip(_visible(st), before, strict=True)), p
+            assert torch.equal(model.decode_step(st, tok, pos), want), p  # the replay
+            assert all(torch.equal(a, b) for a, b in zip(_buffers(st), _buffers(once), strict=True)), p
+            st.n_tokens = p + 1
+    assert unrestored_differs

@@ -14,7 +14,7 @@
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py \
-    tests/test_cuda_backend.py -k "attend or repeatable or official"
+    tests/test_cuda_backend.py -k "attend or repeatable or official or ctx_bucket or side_stream or recaptured"
   TAIL=6 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
     --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
   TAIL=24 run bench_attend 90 python3 tools/gpu/bench_attend.py

@@ -43,8 +43,8 @@ BATCH1_SINGLE = os.environ.get("DS4_BATCH1_SINGLE", "1") != "0"
 # but 3k deep sorts 2k scores per ratio-4 layer, not 256k. Buckets: powers of two from CTX_BUCKET_MIN tokens,
 # one graph each (captured when a session first reaches it), none once the bucket covers the session's ctx.
 # On: +4.1 % decode for a 256k allocation 2k deep on the H200 (tools/gpu/ctx_ab.py, session 7); env
-# DS4_CTX_BUCKETS=0: off. A capture clones the state first (its warm-up step runs for real): with buckets that
-# happens once per bucket a session reaches.
+# DS4_CTX_BUCKETS=0: off. Each capture runs one warm-up step for real and puts back what it overwrote
+# (DecodeRunner._capture, DeviceKVState.step_restorer): KB per layer, not a copy of the session's KV.
 CTX_BUCKETS = os.environ.get("DS4_CTX_BUCKETS", "1") != "0"
 CTX_BUCKET_MIN = 8192
 
@@ -368,18 +368,19 @@ class DecodeRunner:
 
     def _capture(self, bound: int | None) -> torch.cuda.CUDAGraph:
         m = self.model
-        saved = self.state.clone()  # warm-up runs the step for real: put the state back afterwards
+        # The warm-up runs the step for real; putting back what it overwrote (DeviceKVState.step_restorer)
+        # lets the replay redo it exactly, without a copy of the whole KV (~14 GB at 1M).
+        restore = self.state.step_restorer(self.pos)
         tok, pos = self.token.clone(), self.pos.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._body(bound)  # first call: lazy constants, cuBLAS handles, allocator warm-up
         torch.cuda.current_stream().wait_stream(side)
-        self.state.copy_from(saved)
+        restore()
         graph = m.capture(lambda: self._body(bound))
         self.token.copy_(tok)
         self.pos.copy_(pos)
-        del saved
         return graph
 
 

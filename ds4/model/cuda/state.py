@@ -15,6 +15,8 @@ CPU KVState, which is what the DSV4 snapshot format (ds4.engine.snapshot) reads 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ds4.model.state import EMPTY_SCORE, KVState, LayerKV
@@ -100,6 +102,33 @@ class DeviceKVState:
         for a, b in zip(self.layers, other.layers, strict=True):
             a.copy_from(b)
         self.n_tokens = other.n_tokens
+
+    # What a decode step at position pos overwrites of the state before it: the compressors' frontiers, the
+    # only buffers it rewrites from their own old values (a window completion shifts the current window into
+    # the previous one), and the ring row pos % W (position pos - W: out of the step's window, but still in
+    # a snapshot taken before the step). Its other writes land at rows not yet visible and are written before
+    # the step reads them. So after a step run for real (a graph capture's warm-up), restoring these alone
+    # makes a replay of the step equal the step run once (tests/test_cuda_batch.py checks it bit for bit).
+    _FRONTIERS = ("comp_kv", "comp_score", "index_kv", "index_score")
+
+    def step_restorer(self, pos: torch.Tensor) -> Callable[[], None]:
+        """Save what a decode step at device position pos [1] overwrites (KB per layer, whatever the ctx);
+        the returned call puts it back."""
+        saved = []
+        for layer in self.layers:
+            ring = torch.remainder(pos, layer.window)
+            saved.append((layer.raw, ring, layer.raw.index_select(0, ring)))
+            fronts = (getattr(layer, f) for f in self._FRONTIERS)
+            saved += [(t, None, t.clone()) for t in fronts if t is not None]
+
+        def restore() -> None:
+            for t, rows, old in saved:
+                if rows is None:
+                    t.copy_(old)
+                else:
+                    t.index_copy_(0, rows, old)
+
+        return restore
 
     def reset(self) -> None:
         """Back to an empty timeline, in place (frontier scores EMPTY_SCORE, everything else 0)."""
