@@ -8,6 +8,8 @@ Flash widths. Tolerances (max abs error / max |reference|): f32 paths 1e-5; bf16
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -550,6 +552,85 @@ def test_moe_int8_variants(cfg):
     want = ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)
     for _ in range(2):  # fixup: the counters re-armed by the first call
         assert rel_err(moe.moe_down(mid, weights, wd, ids, cfg), want) < F32_TOL
+
+
+@triton.jit
+def _grid_words_kernel(tab_ptr, lo_ptr, hi_ptr):
+    i = tl.arange(0, 256)
+    lo, hi = moe._grid_words(tab_ptr, i)
+    tl.store(lo_ptr + i, lo)
+    tl.store(hi_ptr + i, hi)
+
+
+def test_grid16_codes_expand_to_every_grid_row():
+    """moe._grid_words on the 16-bit code table (MoeConfig.grid16) = the 8-byte grid rows, all 256."""
+    from ds4.kernels.packing import iq2xxs_codes16, iq2xxs_grid_i64
+
+    dev = torch.device(DEVICE)
+    out = {}
+    for name, tab in (("rows", iq2xxs_grid_i64(dev)), ("codes", iq2xxs_codes16(dev))):
+        lo, hi = (torch.empty(256, dtype=torch.int32, device=DEVICE) for _ in range(2))
+        _grid_words_kernel[(1,)](tab, lo, hi)
+        out[name] = torch.stack([lo, hi], 1).cpu()
+    assert torch.equal(out["codes"], out["rows"])
+    assert torch.equal(out["rows"].view(torch.int64).reshape(-1), iq2xxs_grid_i64(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("sign_math", [False, True], ids=["masks", "math"])
+@pytest.mark.parametrize("variant", ["grid16", "prmt"])
+def test_moe_decode_variants_change_no_bit(sign_math, variant):
+    """The gate/up pair kernel with the 16-bit code table (grid16) or the nibble tables and byte permutes
+    (prmt) decodes the same signed grid words: equal to the 8-byte-row table bit for bit."""
+    wg, wu, _, ids, x, _, _ = _int8_case(16, 512, 64)
+    cfg = moe.MoeConfig(16, 1, 4, int8=True, sign_math=sign_math)
+    want = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)
+    assert torch.equal(moe.moe_gate_up(x, wg, wu, ids, 1.0, replace(cfg, **{variant: True})), want)
+    with pytest.raises(ValueError, match="exclude each other"):
+        moe.MoeConfig(int8=True, gather=True, **{variant: True})
+
+
+def _prmt_ref(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 default mode: byte j = byte (sel >> 4j) & 7 of b:a (bytes 0-3 from a)."""
+    src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    return sum(((src >> (8 * ((sel >> (4 * j)) & 7))) & 0xFF) << (8 * j) for j in range(4))
+
+
+@triton.jit
+def _prmt_kernel(a_ptr, b_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, PTX: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, moe._prmt(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(s_ptr + i), PTX))
+
+
+@triton.jit
+def _prmt_words_kernel(nib, snib, idx_ptr, si_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr, PTX: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo, hi = moe._prmt_words(nib, snib, tl.load(idx_ptr + i), tl.load(si_ptr + i), PTX)
+    tl.store(lo_ptr + i, lo)
+    tl.store(hi_ptr + i, hi)
+
+
+@pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=pytest.mark.cuda)], ids=["int32", "ptx"])
+def test_prmt_and_signed_words_exhaustive(ptx):
+    """moe._prmt against the PTX definition on random words, and moe._prmt_words (MoeConfig.prmt) on every
+    (grid row, sign pattern) = the grid bytes with KSIGNS applied, straight from the tables."""
+    from ds4.kernels.packing import iq2_sign_nibbles, iq2xxs_nibbles
+
+    assert CUDA or not ptx
+    gen = torch.Generator().manual_seed(71)
+    a, b, sel = (torch.randint(-(2**31), 2**31, (256,), generator=gen, dtype=torch.int64) for _ in range(3))
+    out = torch.empty(256, dtype=torch.int32, device=DEVICE)
+    args = [t.to(torch.int32).to(DEVICE) for t in (a, b, sel)]
+    _prmt_kernel[(1,)](*args, out, BLOCK=256, PTX=ptx)
+    want = [_prmt_ref(int(x), int(y), int(z)) for x, y, z in zip(a, b, sel, strict=True)]
+    assert [v & 0xFFFFFFFF for v in out.cpu().tolist()] == want
+    dev = torch.device(DEVICE)
+    idx = torch.arange(256, dtype=torch.int32).repeat_interleave(128).to(DEVICE)  # row g, sign s at g*128 + s
+    si = torch.arange(128, dtype=torch.int32).repeat(256).to(DEVICE)
+    lo, hi = (torch.empty(256 * 128, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    nib, snib = iq2xxs_nibbles(dev), iq2_sign_nibbles(dev)
+    _prmt_words_kernel[(32,)](nib, snib, idx, si, lo, hi, BLOCK=1024, PTX=ptx)
+    got = torch.stack([lo, hi], 1).cpu().view(torch.int8).reshape(-1, 8)
+    assert torch.equal(got, _want_signed_bytes())
 
 
 def test_moe_int8_two_terms_vs_one_term():

@@ -75,6 +75,23 @@ def test_grouped_kernels_match_int8_twin(cfg):
     assert rel_err(got, ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)) < F32_TOL
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [{"sign_math": True}, {"grid16": True}, {"sign_math": True, "grid16": True}, {"prmt": True}],
+    ids=lambda v: "+".join(v),
+)
+def test_grouped_decode_variants_change_no_bit(variant):
+    """GroupedConfig.sign_math (computed sign masks), .grid16 (the 16-bit code table) and .prmt (nibble
+    tables, byte permutes) decode the same signed grid words: gate/up equals the default bit for bit."""
+    from dataclasses import replace
+
+    wg, wu, _, ids, x, _, _ = _case(24, 256, 40, IDS, 52)
+    base = CONFIGS[0]
+    want = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, base)
+    cfg = replace(base, **variant)
+    assert torch.equal(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg), want)
+
+
 def test_routed_grouped_other_ranks_experts_add_nothing():
     """Ids outside [0, E) (here 7 and -1) give zero mid rows and no down contribution; the rest equals the
     twin on the valid pairs only (their weights kept, the others' zeroed)."""

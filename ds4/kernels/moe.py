@@ -46,7 +46,7 @@ from .matvec import (
     use_triton,
     weight_args,
 )
-from .packing import PackedWeight, iq2xxs_grid_i64
+from .packing import PackedWeight, iq2_sign_nibbles, iq2xxs_codes16, iq2xxs_grid_i64, iq2xxs_nibbles
 
 
 @triton.jit
@@ -454,6 +454,62 @@ def _iq2_q8k_block(
 
 
 @triton.jit
+def _mag_bytes(a):
+    """int32 a = 4 2-bit magnitude codes (bits 2j, 2j + 1: element j) -> int32 word whose byte j is element
+    j's grid magnitude: the codes spread to bytes by shifted ORs (no carries), then 0 / 1 / 2 -> 8 / 25 / 43
+    as 17 m + 8 + (m >> 1) per byte (at most 43: no carry between bytes)."""
+    m = (a | (a << 6) | (a << 12) | (a << 18)) & 0x03030303
+    return m * 17 + 0x08080808 + ((m >> 1) & 0x01010101)
+
+
+@triton.jit
+def _grid_words(tab, idx):
+    """(lo, hi) int32 magnitude words (elements 0-3 / 4-7) of IQ2_XXS grid rows idx, from the table the
+    launcher passed: 8-byte rows (int64, iq2xxs_grid_i64: one 8-byte L1 gather per group from 2 KB) or
+    16-bit codes (int16, iq2xxs_codes16: a 2-byte gather from 512 B, ~4 of its 128-B lines per warp instead
+    of ~14, then ~14 ALU ops; MoeConfig.grid16). The same words either way."""
+    if tab.dtype.element_ty == tl.int16:
+        code = tl.load(tab + idx).to(tl.int32)  # sign-extended: the masks below drop the top bits
+        lo = _mag_bytes(code & 0xFF)
+        hi = _mag_bytes((code >> 8) & 0xFF)
+    else:
+        row = tl.load(tab + idx)  # [..] int64 grid rows
+        lo = row.to(tl.int32)  # bytes 0-3 (truncation)
+        hi = (row >> 32).to(tl.int32)  # bytes 4-7
+    return lo, hi
+
+
+@triton.jit
+def _prmt(a, b, sel, PTX: tl.constexpr):
+    """PTX prmt.b32 (default mode) on int32 words: byte j of the result = byte (sel >> 4j) & 7 of the 8
+    bytes b:a (0-3 from a). PTX False: the same in plain int32 ops (Triton's interpreter)."""
+    if PTX:
+        out = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        out = sel * 0
+        for j in tl.static_range(4):
+            n = (sel >> (4 * j)) & 7
+            byte = (tl.where(n < 4, a, b) >> (8 * (n & 3))) & 0xFF
+            out = out | (byte << (8 * j))
+    return out
+
+
+@triton.jit
+def _prmt_words(nib, snib, idx, si, PTX: tl.constexpr):
+    """(wlo, whi) signed grid bytes of IQ2_XXS groups (grid rows idx, sign indices si) by two byte
+    permutes: nibble j of nib[idx] (iq2xxs_nibbles) is element j's magnitude code m (0 / 1 / 2), snib[si]
+    (iq2_sign_nibbles) sets its bit 2 where KSIGNS[si] negates element j, so each selector nibble picks one
+    of the bytes 8, 25, 43 (word a) or -8, -25, -43 (word b). Per group: two 4-byte gathers (1 KB and
+    512 B tables), an OR, a shift, two PRMT, instead of an 8-byte gather, the sign math and the negation."""
+    sel = tl.load(nib + idx) | tl.load(snib + si)
+    a = tl.full(sel.shape, 0x002B1908, tl.int32)  # bytes 8, 25, 43, 0
+    b = tl.full(sel.shape, 0x00D5E7F8, tl.int32)  # bytes -8, -25, -43, 0
+    return _prmt(a, b, sel, PTX), _prmt(a, b, sel >> 16, PTX)
+
+
+@triton.jit
 def _iq2_q8k_dot(
     idx,
     a1,
@@ -474,26 +530,29 @@ def _iq2_q8k_dot(
 ):
     """_iq2_q8k_block on loaded weight bytes (_iq2_load: idx [BN, 8, 4], a1 [BN, 8, 1], d [BN])."""
     lg = tl.arange(0, 4)[None, None, :]
-    if (
-        GATHER
-    ):  # the tables held in registers (tab_r [256], ksm_r [128]): tl.gather goes through shared memory
-        row = tl.reshape(tl.gather(tab_r, tl.reshape(idx.to(tl.int32), (idx.numel,)), 0), idx.shape)
+    if tab64.dtype.element_ty == tl.int32:  # MoeConfig.prmt: nibble tables and byte permutes
+        wlo, whi = _prmt_words(tab64, ksm, idx.to(tl.int32), (a1 >> (7 * lg)) & 127, DP4A)
     else:
-        row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows (one 8-byte L1 gather per group)
-    lo = row.to(tl.int32)  # bytes 0-3 (truncation)
-    hi = (row >> 32).to(tl.int32)  # bytes 4-7
-    if SIGN_MATH:  # no second gather: the byte masks from the 7 sign bits in ALU ops (~12 per group)
-        bl, bh = _iq2_sign_bits((a1 >> (7 * lg)) & 127)
-        wlo = (lo ^ (bl * 255)) + bl  # = _negate_bytes(lo, bl * 255)
-        whi = (hi ^ (bh * 255)) + bh
-    else:
-        si = (a1 >> (7 * lg)) & 127
-        if GATHER:
-            m = tl.reshape(tl.gather(ksm_r, tl.reshape(si, (si.numel,)), 0), si.shape)
+        if (
+            GATHER
+        ):  # the tables held in registers (tab_r [256], ksm_r [128]): tl.gather goes through shared memory
+            row = tl.reshape(tl.gather(tab_r, tl.reshape(idx.to(tl.int32), (idx.numel,)), 0), idx.shape)
+            lo = row.to(tl.int32)  # bytes 0-3 (truncation)
+            hi = (row >> 32).to(tl.int32)  # bytes 4-7
         else:
-            m = tl.load(ksm + si)  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
-        wlo = _negate_bytes(lo, m.to(tl.int32))  # signed grid bytes, shared by both planes
-        whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
+            lo, hi = _grid_words(tab64, idx.to(tl.int32))  # [BN, 8, 4] each (one L1 gather per group)
+        if SIGN_MATH:  # no second gather: the byte masks from the 7 sign bits in ALU ops (~12 per group)
+            bl, bh = _iq2_sign_bits((a1 >> (7 * lg)) & 127)
+            wlo = (lo ^ (bl * 255)) + bl  # = _negate_bytes(lo, bl * 255)
+            whi = (hi ^ (bh * 255)) + bh
+        else:
+            si = (a1 >> (7 * lg)) & 127
+            if GATHER:
+                m = tl.reshape(tl.gather(ksm_r, tl.reshape(si, (si.numel,)), 0), si.shape)
+            else:
+                m = tl.load(ksm + si)  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
+            wlo = _negate_bytes(lo, m.to(tl.int32))  # signed grid bytes, shared by both planes
+            whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
     dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
     if TERMS == 2:
         dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)
@@ -756,6 +815,14 @@ def _q2k_q8k_down_kernel(
 # ~15-20 us; ~1 ms per token of the ~3 ms. tools/gpu/bench_moe.py --quick picks per B.
 
 
+def iq2_tables(device: torch.device, grid16: bool = False, prmt: bool = False):
+    """(grid table, sign table) of the int8 IQ2_XXS kernels; their dtypes select the decode (_grid_words,
+    _prmt_words): int64 rows + int64 byte masks, int16 codes + masks (grid16), int32 nibbles (prmt)."""
+    if prmt:
+        return iq2xxs_nibbles(device), iq2_sign_nibbles(device)
+    return (iq2xxs_codes16(device) if grid16 else iq2xxs_grid_i64(device)), _iq2_sign_masks(device)
+
+
 @functools.cache
 def _iq2_sign_masks(device: torch.device) -> torch.Tensor:
     """[128] int64: byte j = 0xFF where bit j of KSIGNS[s] is set (the element is negative), else 0x00."""
@@ -784,10 +851,14 @@ class MoeConfig:
     sign_math: bool = False  # int8 IQ2_XXS: sign byte masks computed in ALU ops instead of an L1 gather
     gather: bool = False  # int8 IQ2_XXS: table lookups via tl.gather (shared memory) instead of L1 gathers
     fixup: bool = False  # int8 down: the sum over k slots / splits in the kernel (last program), no torch sum
+    grid16: bool = False  # int8 IQ2_XXS: the grid as 16-bit codes (_grid_words), not 8-byte rows
+    prmt: bool = False  # int8 IQ2_XXS: signed grid bytes by byte permutes from nibble tables (_prmt_words)
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
             raise ValueError(f"MoeConfig.terms must be 1 or 2, got {self.terms}")
+        if sum((self.grid16, self.gather, self.prmt)) > 1:
+            raise ValueError("MoeConfig: grid16, gather and prmt exclude each other (one grid table)")
 
 
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
@@ -801,7 +872,13 @@ class MoeConfig:
 _INT8 = os.environ.get("DS4_MOE_INT8", "1") == "1"
 # Session 4 (bench_moe.py --quick, H200): sign masks by ALU ops beat the table gather, gate+up B = 1 42.4 ->
 # 39.1 us, B = 4 149.5 -> 137.8 us; down's prefetch / in-kernel fixup gained <= 1.8 us and stay off.
-GATE_UP = MoeConfig(bn=16, splits=1, int8=True, sign_math=True) if _INT8 else MoeConfig(bn=8, splits=1)
+# MoeConfig.grid16 (the 512-byte code table): not yet timed (tools/gpu/bench_moe.py --quick has it); env
+# DS4_MOE_GRID16=1: on.
+_GRID16 = os.environ.get("DS4_MOE_GRID16", "0") == "1"
+# MoeConfig.prmt (nibble tables + byte permutes): not yet timed either; env DS4_MOE_PRMT=1: on.
+_PRMT = os.environ.get("DS4_MOE_PRMT", "0") == "1"
+_GATE_UP_INT8 = MoeConfig(bn=16, splits=1, int8=True, sign_math=True, grid16=_GRID16, prmt=_PRMT)
+GATE_UP = _GATE_UP_INT8 if _INT8 else MoeConfig(bn=8, splits=1)
 DOWN = MoeConfig(bn=64, splits=1, int8=True) if _INT8 else MoeConfig(bn=32, splits=1)
 
 
@@ -885,7 +962,8 @@ def moe_gate_up(
     grid = (triton.cdiv(F, cfg.bn), B * k, splits)
     if int8:
         xq, dx = quantize_q8k(x, cfg.terms)
-        g, u, tab, ksm = wg.data, wu.data, iq2xxs_grid_i64(x.device), _iq2_sign_masks(x.device)
+        tab, ksm = iq2_tables(x.device, cfg.grid16, cfg.prmt)
+        g, u = wg.data, wu.data
         _iq2_q8k_gate_up_kernel[grid](
             xq.view(torch.int64), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,

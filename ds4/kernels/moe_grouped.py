@@ -43,17 +43,29 @@ from ds4.quant.types import GGMLType
 from . import ref
 from .dispatch import PDL, pdl_wait
 from .matvec import check_weight, prep_x, use_triton
-from .moe import GATE_UP, _dot4, _iq2_sign_masks, _negate_bytes, group_by_expert, quantize_q8k
-from .packing import PackedWeight, iq2xxs_grid_i64
+from .moe import (
+    GATE_UP,
+    _dot4,
+    _grid_words,
+    _iq2_sign_bits,
+    _negate_bytes,
+    _prmt_words,
+    group_by_expert,
+    iq2_tables,
+    quantize_q8k,
+)
+from .packing import PackedWeight
 
 MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up to this many
 
 
 @triton.jit
-def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb):
+def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
     """IQ2_XXS super-block kt of rows wrow [BN] (sg: the sub-block words as bytes), decoded once: (wlo, whi
     [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8, 4] int32 =
-    2 ls + 1, d [BN] f32), as moe.py's _iq2_q8k_block decodes them."""
+    2 ls + 1, d [BN] f32), as moe.py's _iq2_q8k_block decodes them. tab64: the grid table (8-byte rows or
+    16-bit codes, moe._grid_words; int32 nibbles: moe._prmt_words, PTX: its byte permutes as PTX); SIGN_MATH:
+    the sign masks computed (moe._iq2_sign_bits), not gathered."""
     sb = tl.arange(0, 8)[None, :, None]
     lg = tl.arange(0, 4)[None, None, :]
     w3 = wrow[:, None, None]
@@ -64,10 +76,19 @@ def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb):
     a1b = tl.load(sg + (w3 * (nb * 8) + kt * 8 + sb) * 4 + lg).to(tl.int32)  # [BN, 8, 4] bytes lg
     a1 = tl.sum(a1b << (8 * lg), axis=2)[:, :, None]
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)
-    row = tl.load(tab64 + idx.to(tl.int32))  # [BN, 8, 4] int64 grid rows
-    m = tl.load(ksm + ((a1 >> (7 * lg)) & 127))  # byte masks of the sign patterns
-    wlo = _negate_bytes(row.to(tl.int32), m.to(tl.int32))
-    whi = _negate_bytes((row >> 32).to(tl.int32), (m >> 32).to(tl.int32))
+    si = (a1 >> (7 * lg)) & 127  # [BN, 8, 4] sign indices
+    if tab64.dtype.element_ty == tl.int32:  # GroupedConfig.prmt (moe._prmt_words)
+        wlo, whi = _prmt_words(tab64, ksm, idx.to(tl.int32), si, PTX)
+    else:
+        lo, hi = _grid_words(tab64, idx.to(tl.int32))  # [BN, 8, 4] magnitude words
+        if SIGN_MATH:
+            bl, bh = _iq2_sign_bits(si)
+            wlo = (lo ^ (bl * 255)) + bl  # = _negate_bytes(lo, bl * 255)
+            whi = (hi ^ (bh * 255)) + bh
+        else:
+            m = tl.load(ksm + si)  # byte masks of the sign patterns
+            wlo = _negate_bytes(lo, m.to(tl.int32))
+            whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
     ls = 2 * ((tl.broadcast_to(a1, (a1.shape[0], 8, 4)) >> 28) & 15) + 1  # [BN, 8, 4] as the dots
     return wlo, whi, ls, d
 
@@ -147,6 +168,7 @@ def _gate_up_grouped_kernel(
     CLAMP: tl.constexpr,
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
+    SIGN_MATH: tl.constexpr,
 ):
     """Gate and up of up to PT pairs of one expert (sorted positions p ..) on the quantized input (xw
     [TERMS, B, K/8] int64, planes xplane words apart; dx [B, K/256]) -> mid rows out [P, F] (flat pair
@@ -174,8 +196,8 @@ def _gate_up_grouped_kernel(
     g3 = tl.zeros([BN, 8], dtype=tl.float32)
     u3 = tl.zeros([BN, 8], dtype=tl.float32)
     for kt in range(0, tl.where(live, nb, 0)):
-        wl, wh, ls, d = _iq2_decode(gq, gs, gd, tab64, ksm, wrow, kt, nb)
-        vl, vh, ms, c = _iq2_decode(uq, us, ud, tab64, ksm, wrow, kt, nb)
+        wl, wh, ls, d = _iq2_decode(gq, gs, gd, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A)
+        vl, vh, ms, c = _iq2_decode(uq, us, ud, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A)
         g0 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A)
         u0 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A)
         if PT > 1:
@@ -377,17 +399,28 @@ class GroupedConfig:
     warps: int = 4
     terms: int = GATE_UP.terms
     dp4a: bool = True
+    sign_math: bool = False  # gate/up: sign masks computed, not gathered (as moe.MoeConfig.sign_math)
+    grid16: bool = False  # gate/up: the grid as 16-bit codes (as moe.MoeConfig.grid16)
+    prmt: bool = False  # gate/up: nibble tables and byte permutes (as moe.MoeConfig.prmt)
 
     def __post_init__(self) -> None:
         if not 1 <= self.pairs <= MAX_PT:
             raise ValueError(f"GroupedConfig.pairs must be in 1..{MAX_PT}, got {self.pairs}")
         if self.terms not in (1, 2):
             raise ValueError(f"GroupedConfig.terms must be 1 or 2, got {self.terms}")
+        if self.grid16 and self.prmt:
+            raise ValueError("GroupedConfig: grid16 and prmt exclude each other (one grid table)")
 
 
 # Not yet timed on a GPU (tools/gpu/bench_moe_grouped.py times the alternatives): gate/up bn 16 as the pair
 # kernel, down bn 32 (4 pairs at bn 64 take 168 registers on sm_90), 4 pairs per program.
-CONFIG = GroupedConfig()
+# sign_math / grid16 / prmt (session 7, the pair kernels' variants): not yet timed; env
+# DS4_MOE_GROUPED_SIGN_MATH=1, DS4_MOE_GROUPED_GRID16=1, DS4_MOE_GROUPED_PRMT=1.
+CONFIG = GroupedConfig(
+    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0") == "1",
+    grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
+    prmt=os.environ.get("DS4_MOE_GROUPED_PRMT", "0") == "1",
+)
 
 
 @dataclass(frozen=True)
@@ -475,10 +508,10 @@ def moe_gate_up_grouped(
     gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
     _gate_up_grouped_kernel[(triton.cdiv(F, cfg.bn_gu), B * k)](
         xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"],
-        iq2xxs_grid_i64(x.device), _iq2_sign_masks(x.device), runs.order, runs.eid, runs.offsets, out,
-        k, B * k, E, F, K, B * K // 8, float(clamp),
-        BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg), num_warps=cfg.warps,
-        launch_pdl=PDL,
+        *iq2_tables(x.device, cfg.grid16, cfg.prmt),
+        runs.order, runs.eid, runs.offsets, out, k, B * k, E, F, K, B * K // 8, float(clamp),
+        BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg),
+        SIGN_MATH=cfg.sign_math, num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     return out
 

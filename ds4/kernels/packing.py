@@ -174,6 +174,32 @@ def iq2xxs_grid_i64(device: torch.device) -> torch.Tensor:
     return torch.tensor(IQ2XXS_GRID, dtype=torch.int64, device=device)
 
 
+def iq2xxs_codes16(device: torch.device) -> torch.Tensor:
+    """[256] int16: each IQ2XXS_GRID row as 2-bit magnitude codes (8 -> 0, 25 -> 1, 43 -> 2), element j at
+    bits 2j: a 512-byte table whose rows the kernels expand to the magnitude bytes (moe._grid_words)."""
+    word = (_grid_codes() << (2 * torch.arange(8))).sum(1)  # < 2^16
+    return torch.where(word >= 2**15, word - 2**16, word).to(torch.int16).to(device)
+
+
+def _grid_codes() -> torch.Tensor:
+    """[256, 8] int64: the magnitude code (8 -> 0, 25 -> 1, 43 -> 2) of each element of each grid row."""
+    mags = torch.tensor(IQ2XXS_GRID, dtype=torch.int64).view(torch.uint8).reshape(256, 8).long()
+    return (mags > 8).long() + (mags > 25).long()
+
+
+def iq2xxs_nibbles(device: torch.device) -> torch.Tensor:
+    """[256] int32: each grid row's magnitude codes as nibbles (element j at bits 4j: moe._prmt_words)."""
+    word = (_grid_codes() << (4 * torch.arange(8))).sum(1)  # < 2^31: codes <= 2
+    return word.to(torch.int32).to(device)
+
+
+def iq2_sign_nibbles(device: torch.device) -> torch.Tensor:
+    """[128] int32: bit 4j + 2 set where sign pattern KSIGNS[s] negates element j (moe._prmt_words)."""
+    bits = (torch.tensor(KSIGNS, dtype=torch.int64)[:, None] >> torch.arange(8)) & 1  # [128, 8]
+    word = (bits << (4 * torch.arange(8) + 2)).sum(1)  # bit 30 at most
+    return word.to(torch.int32).to(device)
+
+
 @functools.cache
 def _signed_grid(device: torch.device) -> torch.Tensor:
     """[256 * 128, 8] f32: grid row g with sign pattern KSIGNS[s] at row g*128 + s."""

@@ -18,6 +18,8 @@ Variants (each the other side of an engine default; env names in brackets):
   half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
   attend fma      attend.ATTEND_PREC "ieee" (DS4_ATTEND_PREC=ieee)  the FMA attention dots (bf16x3: default)
   attend fused    attend.FUSED_MERGE        (DS4_ATTEND_FUSED_MERGE=1) the split merge in the partial kernel
+  moe prmt        moe.GATE_UP.prmt          (DS4_MOE_PRMT=1) routed gate/up: nibble tables + byte permutes
+  moe grid16      moe.GATE_UP.grid16        (DS4_MOE_GRID16=1) routed gate/up: 16-bit grid codes
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, off) is fixed per process:
 time it by running the tool once with DS4_PDL_EARLY=1 and once without.
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from ds4.bench import synthetic_model  # noqa: E402
-from ds4.kernels import attend, dispatch, fused  # noqa: E402
+from ds4.kernels import attend, dispatch, fused, moe  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
 from ds4.model.cuda import layer, streams  # noqa: E402
 
@@ -50,6 +52,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "indexer topk": {(layer, "INDEXER_TOPK"): True},
     "attend fma": {(attend, "ATTEND_PREC"): "ieee"},
     "attend fused": {(attend, "FUSED_MERGE"): True},
+    "moe prmt": {(moe, "GATE_UP"): replace(moe.GATE_UP, prmt=True)},
+    "moe grid16": {(moe, "GATE_UP"): replace(moe.GATE_UP, grid16=True)},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),

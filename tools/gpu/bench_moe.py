@@ -56,6 +56,8 @@ def label(cfg: moe.MoeConfig) -> str:
         (" fix" if cfg.fixup else "")
         + (" math" if cfg.sign_math else "")
         + (" smem" if cfg.gather else "")
+        + (" g16" if cfg.grid16 else "")
+        + (" prmt" if cfg.prmt else "")
         + ("" if cfg.dp4a else " int32")
     )
     return f"int8 bn{cfg.bn} w{cfg.warps}{extra} t{cfg.terms}"
@@ -89,6 +91,11 @@ GU_NEW = [
     _new(bn=16, sign_math=True, prefetch=True),
     _new(bn=16, warps=8, prefetch=True),  # 8 warps: half the prefetched registers per thread
     _new(bn=16, warps=8, gather=True, prefetch=True),
+    _new(bn=16, sign_math=True, grid16=True),  # session 7: the grid as 16-bit codes (512-byte table)
+    _new(bn=16, grid16=True),
+    _new(bn=16, prmt=True),  # nibble tables + byte permutes (signed bytes in 2 PRMT per group)
+    _new(bn=8, prmt=True),
+    _new(bn=32, warps=8, prmt=True),
 ]
 DN_NEW = [
     _new(bn=64, prefetch=True),
@@ -345,7 +352,9 @@ def _int8_runs(quick: bool) -> list[tuple]:
         consts = {"BN": c.bn, "CLAMP": True, "SPLIT": c.splits > 1, "TERMS": c.terms, "DP4A": c.dp4a}
         consts |= {"SIGN_MATH": c.sign_math, "PREFETCH": c.prefetch, "GATHER": c.gather}
         weights = 2 * c.bn * 256
-        runs.append((f"gu {label(c)}", moe._iq2_q8k_gate_up_kernel, gu_sig, consts, c.warps, weights))
+        sig = gu_sig | {"tab64": "*i16"} if c.grid16 else gu_sig
+        sig = sig | {"tab64": "*i32", "ksm": "*i32"} if c.prmt else sig
+        runs.append((f"gu {label(c)}", moe._iq2_q8k_gate_up_kernel, sig, consts, c.warps, weights))
     for c in dn:
         consts = {"BN": c.bn, "TERMS": c.terms, "DP4A": c.dp4a, "PREFETCH": c.prefetch, "FIXUP": c.fixup}
         if c.fixup:

@@ -49,6 +49,11 @@ GU_VARIANTS = [
     GroupedConfig(bn_gu=32, pairs=4),
     GroupedConfig(bn_gu=16, pairs=2),
     GroupedConfig(bn_gu=32, pairs=4, warps=8),
+    GroupedConfig(bn_gu=16, pairs=4, sign_math=True),  # session 7: the pair kernels' decode variants
+    GroupedConfig(bn_gu=16, pairs=4, grid16=True),
+    GroupedConfig(bn_gu=16, pairs=4, sign_math=True, grid16=True),
+    GroupedConfig(bn_gu=16, pairs=4, prmt=True),
+    GroupedConfig(bn_gu=32, pairs=4, prmt=True),
 ]
 DN_VARIANTS = [
     GroupedConfig(bn_dn=32, pairs=4),
@@ -83,7 +88,8 @@ def route(b: int, bias: torch.Tensor) -> torch.Tensor:
 
 
 def gu_label(c: GroupedConfig) -> str:
-    return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}"
+    extra = " math" * c.sign_math + " g16" * c.grid16 + " prmt" * c.prmt
+    return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}"
 
 
 def dn_label(c: GroupedConfig) -> str:
@@ -312,10 +318,15 @@ def compile_only() -> None:
     runs = []
     for bn, pt, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (16, 2, 4), (32, 4, 8)):
         for t in (2, 1):
-            consts = {"BN": bn, "PT": pt, "CLAMP": True, "TERMS": t, "DP4A": True}
+            consts = {"BN": bn, "PT": pt, "CLAMP": True, "TERMS": t, "DP4A": True, "SIGN_MATH": False}
             runs.append(
                 (f"gu bn{bn} pt{pt} w{w} t{t}", moe_grouped._gate_up_grouped_kernel, _GU_SIG, consts, w)
             )
+    tables = {"g16": {"tab64": "*i16"}, "prmt": {"tab64": "*i32", "ksm": "*i32"}, "": {}}
+    for math, tab in ((True, ""), (False, "g16"), (True, "g16"), (False, "prmt")):  # the decode variants
+        consts = {"BN": 16, "PT": 4, "CLAMP": True, "TERMS": 2, "DP4A": True, "SIGN_MATH": math}
+        name = "gu bn16 pt4 w4 t2" + " math" * math + f" {tab}" * bool(tab)
+        runs.append((name, moe_grouped._gate_up_grouped_kernel, {**_GU_SIG, **tables[tab]}, consts, 4))
     for bn, pt, w in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (64, 2, 4)):
         for t in (2, 1):
             consts = {"BN": bn, "PT": pt, "TERMS": t, "DP4A": True}

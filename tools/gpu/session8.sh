@@ -10,7 +10,10 @@
 #   part c: q8_rows's block-product modes (matvec.Q8_ROWS_MODES: tf32x2, bf16x2, bf16x3; their GPU tests,
 #           then bench_q8.py --rows per mode); set DS4_Q8_ROWS_MODE's default by its per-step VERDICT, then
 #           re-run batch_check B = 16 checked / 32 timed with it.
-# Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session8.sh a|b|c
+#   part d: the routed-expert decode variants (moe.MoeConfig.prmt / grid16, GroupedConfig.prmt / grid16 /
+#           sign_math: bit-identical by the CPU tests): their GPU tests, bench_moe.py --quick,
+#           bench_moe_grouped.py, the whole-model A/B at B = 1, B = 32 timed with DS4_MOE_GROUPED_PRMT=1.
+# Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session8.sh a|b|c|d
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py \
@@ -20,6 +23,14 @@ if [ "$1" = a ]; then
   TAIL=24 run bench_attend 90 python3 tools/gpu/bench_attend.py
   TAIL=6 run ab 150 python3 tools/gpu/ab_decode.py --rounds 2 --variants "attend fused"
   TAIL=4 run decode "$(left)" python3 tools/gpu/quick_decode.py q2
+elif [ "$1" = d ]; then
+  TAIL=3 run tests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe.py \
+    tests/test_kernels_moe_grouped.py -k "grid16 or variants or prmt"
+  TAIL=30 run bench_moe 120 python3 tools/gpu/bench_moe.py --quick
+  TAIL=20 run bench_grouped 100 python3 tools/gpu/bench_moe_grouped.py
+  TAIL=6 run ab 130 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe prmt,moe grid16"
+  DS4_MOE_GROUPED_PRMT=1 TAIL=4 run batch32 "$(left)" python3 tools/gpu/batch_check.py --batches 32 \
+    --skip-check --repeats 2 --plain
 elif [ "$1" = c ]; then
   TAIL=3 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
     -k q8_rows
