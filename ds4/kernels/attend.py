@@ -32,7 +32,7 @@ import triton.language as tl
 from .dispatch import PDL, pdl_wait
 from .dispatch import require as _check
 from .dispatch import use_triton as _use_triton
-from .matvec import _split_counters
+from .matvec import _split_bf16, _split_counters
 
 # Tiling (to be tuned on the H200): heads per program, keys per inner block, splits aimed at this many
 # programs in all (about two per SM), rows per indexer program and per inner dot.
@@ -135,13 +135,6 @@ def indexer_scores_ref(qi, wts, rows, slot, count):
 
 
 @triton.jit
-def _split_bf16(x):
-    """f32 x -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative (lo: the rounding error of hi, rounded)."""
-    hi = x.to(tl.bfloat16)
-    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
 def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
     """acc + a @ b from split operands (_split_bf16): three bf16 tensor-core dots, f32 accumulation."""
     acc = tl.dot(a_hi, b_lo, acc)
@@ -152,8 +145,11 @@ def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
 @triton.jit
 def _merge_heads(pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, hm, pos, NS, H, D, R,
                  BH: tl.constexpr, BP: tl.constexpr):  # fmt: skip
-    """_attend_merge for the heads h [BH] of row b at once, by the last split program of the head block
-    (FUSED_MERGE): the other programs' partials are read from L2 (.cg), in split order as the merge does."""
+    """Merge the key splits of heads h [BH] of row b: o = sum_s e^(m_s - M) acc_s / (e^(sink - M) +
+    sum_s e^(m_s - M) l_s) with M the max of the m_s and the sink, then inverse RoPE at pos on the last R
+    dims; each row handled as its BP adjacent pairs (even, odd dims). Run by _attend_merge (one head per
+    program) or by the last split program of a head block (FUSED_MERGE); the partials are read from L2
+    (.cg: other programs' stores), in split order."""
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
     big = sink
     for k in range(0, NS):
@@ -177,7 +173,9 @@ def _merge_heads(pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, hm, p
     c = c / den[:, None]
     jr = i - (D - R) // 2  # rotated pair index, < 0 in the nope part
     rot = jr >= 0
-    ang = pos.to(tl.float32) * tl.load(inv_ptr + jr, mask=rot & im, other=0.0)  # f32, as _attend_merge
+    # f32(pos) * inv rounded to f32, like every RoPE of the model (spec/model.md §4, the official recipe):
+    # f64 angles drift from it (~4e-4 rad at pos 65535)
+    ang = pos.to(tl.float32) * tl.load(inv_ptr + jr, mask=rot & im, other=0.0)
     cs = tl.where(rot, tl.cos(ang), 1.0)[None, :]
     sn = tl.where(rot, tl.sin(ang), 0.0)[None, :]
     out = out_ptr + (b * H + h)[:, None] * D + 2 * i[None, :]
@@ -274,46 +272,14 @@ def _attend_partial(
 
 @triton.jit
 def _attend_merge(
-    pm_ptr, pl_ptr, po_ptr, sink_ptr, pos_ptr, inv_ptr, out_ptr, NS, H, D, R,
-    BS: tl.constexpr, BP: tl.constexpr,
+    pm_ptr, pl_ptr, po_ptr, sink_ptr, pos_ptr, inv_ptr, out_ptr, NS, H, D, R, BP: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, h): o = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)) with M the max
-    of the m_s and the sink, then inverse RoPE at pos[b] on the last R dims. The row is handled as its BP
-    adjacent pairs (even, odd dims)."""
+    """Program (b, h): _merge_heads of one head (the second launch when the merge is not fused)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BS)
-    sm = s < NS
-    part = (b * NS + s) * H + h  # [BS]
-    m = tl.load(pm_ptr + part, mask=sm, other=float("-inf"))
-    lsum = tl.load(pl_ptr + part, mask=sm, other=0.0)
-    sink = tl.load(sink_ptr + h).to(tl.float32)
-    big = tl.maximum(tl.max(m, axis=0), sink)  # finite: the sink is
-    w = tl.exp(m - big)  # [BS], 0 for empty splits
-    inv_den = 1.0 / (tl.sum(lsum * w, axis=0) + tl.exp(sink - big))
-    i = tl.arange(0, BP)
-    im = 2 * i < D
-    a = tl.zeros([BP], tl.float32)  # even dims
-    c = tl.zeros([BP], tl.float32)  # odd dims
-    for k in range(0, NS):
-        part_k = (b * NS + k) * H + h
-        wk = tl.exp(tl.load(pm_ptr + part_k) - big)
-        a += wk * tl.load(po_ptr + part_k * D + 2 * i, mask=im, other=0.0)
-        c += wk * tl.load(po_ptr + part_k * D + 2 * i + 1, mask=im, other=0.0)
-    a = a * inv_den
-    c = c * inv_den
-    jr = i - (D - R) // 2  # rotated pair index, < 0 in the nope part
-    rot = jr >= 0
-    pos = tl.load(pos_ptr + b).to(tl.float32)
-    # f32(pos) * inv rounded to f32, like every RoPE of the model (spec/model.md §4, the official recipe):
-    # f64 angles drift from it (~4e-4 rad at pos 65535)
-    ang = pos * tl.load(inv_ptr + jr, mask=rot & im, other=0.0)
-    cs = tl.where(rot, tl.cos(ang), 1.0)
-    sn = tl.where(rot, tl.sin(ang), 0.0)
-    out = out_ptr + (b * H + h) * D + 2 * i
-    tl.store(out, a * cs + c * sn, mask=im)  # rotation by -ang
-    tl.store(out + 1, c * cs - a * sn, mask=im)
+    h = tl.program_id(1) + tl.arange(0, 1)  # [1]
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    _merge_heads(pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, h < H, pos, NS, H, D, R, 1, BP)
 
 
 def _key_block() -> int:
@@ -359,7 +325,7 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
     if cnt is None:
         _attend_merge[(B, H)](
             pm, pl, po, sinks, pos, inv_freq, out, NS, H, D, 2 * inv_freq.numel(),
-            BS=triton.next_power_of_2(NS), BP=triton.next_power_of_2(D // 2), num_warps=4, launch_pdl=PDL,
+            BP=triton.next_power_of_2(D // 2), num_warps=4, launch_pdl=PDL,
         )  # fmt: skip
     return out
 

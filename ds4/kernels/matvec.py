@@ -64,6 +64,13 @@ def _acc_tile(acc, w, x_ptr, xrow, xmask, xcol, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _split_bf16(x):
+    """f32 x -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative (lo: the rounding error of hi, rounded)."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
 def _tf32_hi(x):
     """f32 x with its low 13 mantissa bits cleared: exact in tf32, and x - hi exact in f32 (the split of
     hmatvec's tf32x2 mode and q8_rows)."""
@@ -736,11 +743,10 @@ def _q8_rows_kernel(
         xv = tl.load(xp + kb * 32, mask=bmask[:, None], other=0.0)  # [BB, 32] f32
         if MODE == "bf16x2" or MODE == "bf16x3":
             q = tl.load(qp + kb * 32).to(tl.float32).to(tl.bfloat16)  # [BN, 32] 8-bit integers: exact
-            hi = xv.to(tl.bfloat16)
-            r = xv - hi.to(tl.float32)  # exact
-            mid = r.to(tl.bfloat16)
+            hi, mid = _split_bf16(xv)
             if MODE == "bf16x3":
-                part = tl.dot(q, tl.trans((r - mid.to(tl.float32)).to(tl.bfloat16)))
+                mid, lo = _split_bf16(xv - hi.to(tl.float32))  # the remainder exact in f32, split again
+                part = tl.dot(q, tl.trans(lo))
                 part = tl.dot(q, tl.trans(mid), part)
             else:
                 part = tl.dot(q, tl.trans(mid))
