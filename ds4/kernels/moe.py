@@ -510,6 +510,33 @@ def _prmt_words(nib, snib, idx, si, PTX: tl.constexpr):
 
 
 @triton.jit
+def _negate_by_bits(lo, hi, si):
+    """Magnitude words lo, hi negated bytewise where sign index si's pattern says, the byte masks computed
+    in ALU ops (_iq2_sign_bits, ~12 per group: MoeConfig.sign_math) instead of gathered."""
+    bl, bh = _iq2_sign_bits(si)
+    return (lo ^ (bl * 255)) + bl, (hi ^ (bh * 255)) + bh  # = _negate_bytes(w, b * 255)
+
+
+@triton.jit
+def _signed_words(tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
+    """(wlo, whi) int32 signed grid bytes (elements 0-3 / 4-7) of IQ2_XXS groups with grid rows idx and sign
+    indices si, from the launcher's tables (iq2_tables, whose dtypes pick the decode): nibbles and byte
+    permutes (_prmt_words, PTX: as PTX), or magnitude words (_grid_words) negated by sign masks computed
+    (SIGN_MATH) or gathered from ksm. The decode of the pair kernels and of the grouped ones."""
+    if tab.dtype.element_ty == tl.int32:  # MoeConfig.prmt
+        wlo, whi = _prmt_words(tab, ksm, idx, si, PTX)
+    else:
+        lo, hi = _grid_words(tab, idx)
+        if SIGN_MATH:
+            wlo, whi = _negate_by_bits(lo, hi, si)
+        else:
+            m = tl.load(ksm + si)  # int64 byte masks of KSIGNS[sign index]
+            wlo = _negate_bytes(lo, m.to(tl.int32))
+            whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
+    return wlo, whi
+
+
+@triton.jit
 def _iq2_q8k_dot(
     idx,
     a1,
@@ -530,29 +557,19 @@ def _iq2_q8k_dot(
 ):
     """_iq2_q8k_block on loaded weight bytes (_iq2_load: idx [BN, 8, 4], a1 [BN, 8, 1], d [BN])."""
     lg = tl.arange(0, 4)[None, None, :]
-    if tab64.dtype.element_ty == tl.int32:  # MoeConfig.prmt: nibble tables and byte permutes
-        wlo, whi = _prmt_words(tab64, ksm, idx.to(tl.int32), (a1 >> (7 * lg)) & 127, DP4A)
-    else:
-        if (
-            GATHER
-        ):  # the tables held in registers (tab_r [256], ksm_r [128]): tl.gather goes through shared memory
-            row = tl.reshape(tl.gather(tab_r, tl.reshape(idx.to(tl.int32), (idx.numel,)), 0), idx.shape)
-            lo = row.to(tl.int32)  # bytes 0-3 (truncation)
-            hi = (row >> 32).to(tl.int32)  # bytes 4-7
+    si = (a1 >> (7 * lg)) & 127  # [BN, 8, 4] sign indices
+    if GATHER:  # the tables held in registers (tab_r [256], ksm_r [128]): tl.gather via shared memory
+        row = tl.reshape(tl.gather(tab_r, tl.reshape(idx.to(tl.int32), (idx.numel,)), 0), idx.shape)
+        lo = row.to(tl.int32)  # bytes 0-3 (truncation)
+        hi = (row >> 32).to(tl.int32)  # bytes 4-7
+        if SIGN_MATH:
+            wlo, whi = _negate_by_bits(lo, hi, si)
         else:
-            lo, hi = _grid_words(tab64, idx.to(tl.int32))  # [BN, 8, 4] each (one L1 gather per group)
-        if SIGN_MATH:  # no second gather: the byte masks from the 7 sign bits in ALU ops (~12 per group)
-            bl, bh = _iq2_sign_bits((a1 >> (7 * lg)) & 127)
-            wlo = (lo ^ (bl * 255)) + bl  # = _negate_bytes(lo, bl * 255)
-            whi = (hi ^ (bh * 255)) + bh
-        else:
-            si = (a1 >> (7 * lg)) & 127
-            if GATHER:
-                m = tl.reshape(tl.gather(ksm_r, tl.reshape(si, (si.numel,)), 0), si.shape)
-            else:
-                m = tl.load(ksm + si)  # [BN, 8, 4] int64 byte masks of KSIGNS[sign index]
-            wlo = _negate_bytes(lo, m.to(tl.int32))  # signed grid bytes, shared by both planes
+            m = tl.reshape(tl.gather(ksm_r, tl.reshape(si, (si.numel,)), 0), si.shape)
+            wlo = _negate_bytes(lo, m.to(tl.int32))
             whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
+    else:  # one L1 gather per group (two with gathered masks); signed grid bytes shared by both planes
+        wlo, whi = _signed_words(tab64, ksm, idx.to(tl.int32), si, SIGN_MATH, DP4A)
     dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
     if TERMS == 2:
         dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)

@@ -46,10 +46,7 @@ from .matvec import check_weight, prep_x, use_triton
 from .moe import (
     GATE_UP,
     _dot4,
-    _grid_words,
-    _iq2_sign_bits,
-    _negate_bytes,
-    _prmt_words,
+    _signed_words,
     group_by_expert,
     iq2_tables,
     quantize_q8k,
@@ -63,9 +60,8 @@ MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up 
 def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
     """IQ2_XXS super-block kt of rows wrow [BN] (sg: the sub-block words as bytes), decoded once: (wlo, whi
     [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8, 4] int32 =
-    2 ls + 1, d [BN] f32), as moe.py's _iq2_q8k_block decodes them. tab64: the grid table (8-byte rows or
-    16-bit codes, moe._grid_words; int32 nibbles: moe._prmt_words, PTX: its byte permutes as PTX); SIGN_MATH:
-    the sign masks computed (moe._iq2_sign_bits), not gathered."""
+    2 ls + 1, d [BN] f32), as moe.py's _iq2_q8k_block decodes them (moe._signed_words: tab64 / ksm the
+    launcher's tables, SIGN_MATH the computed sign masks, PTX the byte permutes as PTX)."""
     sb = tl.arange(0, 8)[None, :, None]
     lg = tl.arange(0, 4)[None, None, :]
     w3 = wrow[:, None, None]
@@ -77,18 +73,7 @@ def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, P
     a1 = tl.sum(a1b << (8 * lg), axis=2)[:, :, None]
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)
     si = (a1 >> (7 * lg)) & 127  # [BN, 8, 4] sign indices
-    if tab64.dtype.element_ty == tl.int32:  # GroupedConfig.prmt (moe._prmt_words)
-        wlo, whi = _prmt_words(tab64, ksm, idx.to(tl.int32), si, PTX)
-    else:
-        lo, hi = _grid_words(tab64, idx.to(tl.int32))  # [BN, 8, 4] magnitude words
-        if SIGN_MATH:
-            bl, bh = _iq2_sign_bits(si)
-            wlo = (lo ^ (bl * 255)) + bl  # = _negate_bytes(lo, bl * 255)
-            whi = (hi ^ (bh * 255)) + bh
-        else:
-            m = tl.load(ksm + si)  # byte masks of the sign patterns
-            wlo = _negate_bytes(lo, m.to(tl.int32))
-            whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
+    wlo, whi = _signed_words(tab64, ksm, idx.to(tl.int32), si, SIGN_MATH, PTX)
     ls = 2 * ((tl.broadcast_to(a1, (a1.shape[0], 8, 4)) >> 28) & 15) + 1  # [BN, 8, 4] as the dots
     return wlo, whi, ls, d
 
