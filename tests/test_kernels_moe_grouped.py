@@ -29,8 +29,8 @@ IDS = [[0, 4, 2], [4, 4, 1], [2, 0, 4]]
 # per program (expert 4's run split over two programs), one activation plane. The interpreter never uses
 # dp4a (CPU tensors); on a GPU both do.
 CONFIGS = [
-    moe_grouped.GroupedConfig(bn_gu=16, bn_dn=32, pairs=4),
-    moe_grouped.GroupedConfig(bn_gu=32, bn_dn=64, pairs=2, terms=1, warps=2),
+    moe_grouped.GroupedConfig(bn_gu=16, bn_dn=32, pairs=4, pairs_dn=4, sign_math=False),
+    moe_grouped.GroupedConfig(bn_gu=32, bn_dn=64, pairs=2, pairs_dn=1, terms=1, warps=2),
 ]
 
 
@@ -64,7 +64,11 @@ def test_expert_runs_match_python_grouping():
     assert runs.order.dtype == runs.eid.dtype == runs.offsets.dtype == torch.int32
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-t{c.terms}")
+def _cfg_id(c: moe_grouped.GroupedConfig) -> str:
+    return f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-{c.pairs_dn}-t{c.terms}"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
 def test_grouped_kernels_match_int8_twin(cfg):
     wg, wu, wd, ids, x, mid, weights = _case(24, 256, 40, IDS, 50)  # partial row tiles: 24, 40 rows
     got = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg)
@@ -97,7 +101,7 @@ def test_routed_grouped_other_ranks_experts_add_nothing():
     twin on the valid pairs only (their weights kept, the others' zeroed)."""
     ids_l = [[0, 7, 2], [4, 4, -1], [2, 0, 4]]
     wg, wu, wd, ids, x, _, weights = _case(256, 256, 16, ids_l, 60)  # F = K: mid feeds the down stack
-    cfg = moe_grouped.GroupedConfig(bn_gu=WIDE, bn_dn=16, pairs=3)
+    cfg = moe_grouped.GroupedConfig(bn_gu=WIDE, bn_dn=16, pairs=3, pairs_dn=3)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg)
     ok = (ids >= 0) & (ids < E)
     safe = torch.where(ok, ids, 0)
@@ -118,6 +122,8 @@ def test_bad_input_is_named():
         moe_grouped.moe_gate_up_grouped(x, wg, wu, ids[:2], 1.0)
     with pytest.raises(ValueError, match="pairs must be"):
         moe_grouped.GroupedConfig(pairs=5)
+    with pytest.raises(ValueError, match="pairs_dn must be"):
+        moe_grouped.GroupedConfig(pairs_dn=0)
 
 
 @pytest.mark.cuda

@@ -175,6 +175,14 @@ def test_q8_mv1_tiles(cfg):
 # q8_rows: Q8_0 x B rows on the tensor cores, f32-accurate (batched decode above 8 rows). The bound is the f32
 # one: the bf16-rounded tiles it replaces are ~2e-3 off (BF16_TOL), so a lost x low part or a block scale
 # applied to the wrong block fails it.
+# q8_rows's block-product modes (matvec.Q8_ROWS_MODES): "bf16x3" within the f32 bound as "tf32x2"; "bf16x2"
+# (x as bf16 hi + lo, ~2^-17 per product) measured 1e-5 under the interpreter: bound 4e-5, still 50x under
+# the bf16 tiles' error.
+BF16X2_TOL = 4e-5
+
+
+def rows_tol(mode: str) -> float:
+    return BF16X2_TOL if mode == "bf16x2" else F32_TOL
 
 
 @pytest.mark.parametrize(
@@ -184,19 +192,13 @@ def test_q8_rows_f32_accurate(b, n, k):
     w = packed(GGMLType.Q8_0, (n, k), seed=50 + b)
     x = torch.randn(b, k, generator=generator(50 + b), device=DEVICE) * 3.0
     want = ref.qmatvec(x, w)
-    got = matvec.qmatvec(x, w)  # f32 rows >= Q8_ROWS_FROM: q8_rows
-    assert rel_err(got, want) < F32_TOL
+    got = matvec.qmatvec(x, w)  # f32 rows >= Q8_ROWS_FROM: q8_rows, the default mode
+    assert rel_err(got, want) < rows_tol(matvec.Q8_ROWS.mode)
     assert torch.equal(got, matvec.q8_rows(x, w, n))
     splits = matvec.q8_rows_plan(b, n, k, matvec.Q8_ROWS)[2][2]
     assert k < 1024 or splits > 1  # the long row runs split-K (the fixup sums it)
     bf16 = matvec.qmatvec(x.bfloat16(), w)  # the bf16 tiles: measurably worse (the point of q8_rows)
     assert rel_err(bf16, want) > 10 * rel_err(got, want)
-
-
-# q8_rows's block-product modes (matvec.Q8_ROWS_MODES): "bf16x3" within the f32 bound as "tf32x2"; "bf16x2"
-# (x as bf16 hi + lo, ~2^-17 per product) measured 1e-5 under the interpreter: bound 4e-5, still 50x under
-# the bf16 tiles' error.
-BF16X2_TOL = 4e-5
 
 
 @pytest.mark.parametrize("mode", matvec.Q8_ROWS_MODES)
@@ -206,7 +208,7 @@ def test_q8_rows_modes(mode, b, n, k):
     x = torch.randn(b, k, generator=generator(70 + b), device=DEVICE) * 3.0
     want = ref.qmatvec(x, w)
     err = rel_err(matvec.q8_rows(x, w, n, matvec.Q8RowsConfig(mode=mode)), want)
-    assert err < (BF16X2_TOL if mode == "bf16x2" else F32_TOL)
+    assert err < rows_tol(mode)
     assert 50 * err < rel_err(matvec.qmatvec(x.bfloat16(), w), want)
     with pytest.raises(ValueError, match="mode must be one of"):
         matvec.q8_rows(x, w, n, matvec.Q8RowsConfig(mode="fp8"))
@@ -402,7 +404,7 @@ def test_q8_rows_flash_shapes_cuda(b, mode, monkeypatch):
     fail that bound."""
     assert CUDA
     monkeypatch.setattr(matvec, "Q8_ROWS", matvec.Q8RowsConfig(mode=mode))
-    tol = BF16X2_TOL if mode == "bf16x2" else F32_TOL
+    tol = rows_tol(mode)
     for n, k, groups in ((1536, 4096, 1), (32768, 1024, 1), (1024, 4096, 8), (129280, 4096, 1)):
         w = packed(GGMLType.Q8_0, (groups, n, k) if groups > 1 else (n, k), seed=25)
         x = torch.randn(b, groups, k, generator=generator(25), device=DEVICE)

@@ -681,22 +681,24 @@ class Q8RowsConfig:
     warps: int = 4
     stages: int = 3
     target: int = 1056
-    mode: str = "tf32x2"  # Q8_ROWS_MODES
+    mode: str = "bf16x2"  # Q8_ROWS_MODES
 
 
 # The products of a block: "tf32x2" (above: x as tf32 hi + lo, two tf32 MMAs, ~2^-21 per product), or the
 # quants as bf16 (8-bit integers: exact) times x split into bf16 parts, each the rounding error of the ones
 # before, rounded: "bf16x2" hi + lo (~2^-17 per product: 1e-5 of the output under the interpreter vs 3e-7),
 # "bf16x3" hi + mid + lo (~2^-25). The H200 runs bf16 MMAs at twice the tf32 rate on half the operand bytes:
-# 2 or 3 bf16 MMAs against 2 tf32 ones. Not yet timed (tools/gpu/bench_q8.py --rows times the three);
-# env DS4_Q8_ROWS_MODE.
+# 2 or 3 bf16 MMAs against 2 tf32 ones. H200 (tools/gpu/bench_q8.py --rows, session 8, per B = 32 decode
+# step): tf32x2 9.20 ms, bf16x2 7.72 ms, bf16x3 8.40 ms (B = 16: 7.42 / 6.29 / 6.66; max error vs the f32
+# twin 3.2e-6 / 3.6e-6 / 3.0e-6): "bf16x2" is the default; env DS4_Q8_ROWS_MODE.
 Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3")
 
 
-# Not yet timed on a GPU (2026-12-01): tools/gpu/bench_q8.py --rows times it against the dense bf16 GEMM it
-# replaces in batched decode. sm_90 builds (bench_q8.py --compile-only): 65 / 96 / 150 registers at BB = 16 /
-# 32 / 64, no spills, 10-28 KB of shared memory.
-Q8_ROWS = Q8RowsConfig(mode=os.environ.get("DS4_Q8_ROWS_MODE", "tf32x2"))
+# Against the dense bf16 GEMM it replaces in batched decode (bench_q8.py --rows, session 8, bf16x2): 1.19x
+# its time at B = 16, 1.41x at 32, 2.74x at 64, for products ~50x closer to f32 than the bf16 tiles'.
+# sm_90 builds (bench_q8.py --compile-only, tf32x2): 65 / 96 / 150 registers at BB = 16 / 32 / 64, no
+# spills, 10-28 KB of shared memory.
+Q8_ROWS = Q8RowsConfig(mode=os.environ.get("DS4_Q8_ROWS_MODE", "bf16x2"))
 
 
 @triton.jit

@@ -482,7 +482,9 @@ def _grid_words(tab, idx):
 @triton.jit
 def _prmt(a, b, sel, PTX: tl.constexpr):
     """PTX prmt.b32 (default mode) on int32 words: byte j of the result = byte (sel >> 4j) & 7 of the 8
-    bytes b:a (0-3 from a). PTX False: the same in plain int32 ops (Triton's interpreter)."""
+    bytes b:a (0-3 from a). PTX False: the same in plain int32 ops (Triton's interpreter). Selector nibbles
+    must be 0-7: PTX reads bit 3 as "replicate the byte's sign", which the emulation does not model and
+    _prmt_words never sets (its nibbles are at most 2 | 4)."""
     if PTX:
         out = tl.inline_asm_elementwise(
             "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1

@@ -376,33 +376,36 @@ def _q2k_scale(acc, ii, mm, d, dmin, dx_ptr, pidx, kt, nb):
 @dataclass(frozen=True)
 class GroupedConfig:
     """Launch shape of the grouped kernels: output rows per program (gate/up, down), pairs per program
-    (1..MAX_PT), warps; activation planes and dp4a as moe.MoeConfig."""
+    (1..MAX_PT; gate/up, down), warps; activation planes and dp4a as moe.MoeConfig."""
 
     bn_gu: int = 16
-    bn_dn: int = 32
+    bn_dn: int = 64
     pairs: int = 4
+    pairs_dn: int = 2
     warps: int = 4
     terms: int = GATE_UP.terms
     dp4a: bool = True
-    sign_math: bool = False  # gate/up: sign masks computed, not gathered (as moe.MoeConfig.sign_math)
+    sign_math: bool = True  # gate/up: sign masks computed, not gathered (as moe.MoeConfig.sign_math)
     grid16: bool = False  # gate/up: the grid as 16-bit codes (as moe.MoeConfig.grid16)
     prmt: bool = False  # gate/up: nibble tables and byte permutes (as moe.MoeConfig.prmt)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.pairs <= MAX_PT:
-            raise ValueError(f"GroupedConfig.pairs must be in 1..{MAX_PT}, got {self.pairs}")
+        for name in ("pairs", "pairs_dn"):
+            if not 1 <= getattr(self, name) <= MAX_PT:
+                raise ValueError(f"GroupedConfig.{name} must be in 1..{MAX_PT}, got {getattr(self, name)}")
         if self.terms not in (1, 2):
             raise ValueError(f"GroupedConfig.terms must be 1 or 2, got {self.terms}")
         if self.grid16 and self.prmt:
             raise ValueError("GroupedConfig: grid16 and prmt exclude each other (one grid table)")
 
 
-# Not yet timed on a GPU (tools/gpu/bench_moe_grouped.py times the alternatives): gate/up bn 16 as the pair
-# kernel, down bn 32 (4 pairs at bn 64 take 168 registers on sm_90), 4 pairs per program.
-# sign_math / grid16 / prmt (session 7, the pair kernels' variants): not yet timed; env
-# DS4_MOE_GROUPED_SIGN_MATH=1, DS4_MOE_GROUPED_GRID16=1, DS4_MOE_GROUPED_PRMT=1.
+# H200 (tools/gpu/bench_moe_grouped.py, session 8, per layer): gate/up bn 16, 4 pairs per program, sign
+# masks computed (B = 16 534.7 -> 431.2 us, B = 32 902.9 -> 736.6 us; the pair kernel: 487.0 / 959.3); down
+# bn 64, 2 pairs per program (B = 32 423.9 us at bn 32 / 4 pairs -> 414.9; pair kernel 494.8). grid16 /
+# prmt (session 7, the pair kernels' variants): not yet timed; env DS4_MOE_GROUPED_SIGN_MATH=0,
+# DS4_MOE_GROUPED_GRID16=1, DS4_MOE_GROUPED_PRMT=1.
 CONFIG = GroupedConfig(
-    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0") == "1",
+    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "1") == "1",
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=os.environ.get("DS4_MOE_GROUPED_PRMT", "0") == "1",
 )
@@ -559,7 +562,7 @@ def moe_down_grouped(
     _down_grouped_kernel[(triton.cdiv(D, cfg.bn_dn), B * k)](
         xq.view(torch.int32), xs, dx, w["qs"].view(torch.int32), w["sc"], w["dm"], runs.order, runs.eid,
         runs.offsets, weights.float().contiguous(), part, B * k, E, D, F, B * k * F // 4,
-        BN=cfg.bn_dn, PT=cfg.pairs, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
+        BN=cfg.bn_dn, PT=cfg.pairs_dn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), num_warps=cfg.warps,
         launch_pdl=PDL,
     )  # fmt: skip
     return part if per_slot else part.sum(1)  # fixed order over the k slots: deterministic

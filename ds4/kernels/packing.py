@@ -174,6 +174,7 @@ def iq2xxs_grid_i64(device: torch.device) -> torch.Tensor:
     return torch.tensor(IQ2XXS_GRID, dtype=torch.int64, device=device)
 
 
+@functools.cache  # built once per device, before any graph capture (a host copy cannot be captured)
 def iq2xxs_codes16(device: torch.device) -> torch.Tensor:
     """[256] int16: each IQ2XXS_GRID row as 2-bit magnitude codes (8 -> 0, 25 -> 1, 43 -> 2), element j at
     bits 2j: a 512-byte table whose rows the kernels expand to the magnitude bytes (moe._grid_words)."""
@@ -187,12 +188,14 @@ def _grid_codes() -> torch.Tensor:
     return (mags > 8).long() + (mags > 25).long()
 
 
+@functools.cache  # built once per device, before any graph capture (a host copy cannot be captured)
 def iq2xxs_nibbles(device: torch.device) -> torch.Tensor:
     """[256] int32: each grid row's magnitude codes as nibbles (element j at bits 4j: moe._prmt_words)."""
     word = (_grid_codes() << (4 * torch.arange(8))).sum(1)  # < 2^31: codes <= 2
     return word.to(torch.int32).to(device)
 
 
+@functools.cache  # built once per device, before any graph capture (a host copy cannot be captured)
 def iq2_sign_nibbles(device: torch.device) -> torch.Tensor:
     """[128] int32: bit 4j + 2 set where sign pattern KSIGNS[s] negates element j (moe._prmt_words)."""
     bits = (torch.tensor(KSIGNS, dtype=torch.int64)[:, None] >> torch.arange(8)) & 1  # [128, 8]

@@ -21,7 +21,7 @@ Variants (each the other side of an engine default; env names in brackets):
   moe prmt        moe.GATE_UP.prmt          (DS4_MOE_PRMT=1) routed gate/up: nibble tables + byte permutes
   moe grid16      moe.GATE_UP.grid16        (DS4_MOE_GRID16=1) routed gate/up: 16-bit grid codes
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
---variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, off) is fixed per process:
+--variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
 time it by running the tool once with DS4_PDL_EARLY=1 and once without.
 """
 

@@ -44,22 +44,23 @@ CLAMP = 10.0
 CHAIN_TOL = 1e-4
 PAIR_GU, PAIR_DN = moe.GATE_UP, moe.DOWN  # the engine's pair kernels as configured now (int8 by default)
 GU_VARIANTS = [
-    GroupedConfig(bn_gu=16, pairs=4),
-    GroupedConfig(bn_gu=8, pairs=4),
-    GroupedConfig(bn_gu=32, pairs=4),
-    GroupedConfig(bn_gu=16, pairs=2),
-    GroupedConfig(bn_gu=32, pairs=4, warps=8),
-    GroupedConfig(bn_gu=16, pairs=4, sign_math=True),  # session 7: the pair kernels' decode variants
-    GroupedConfig(bn_gu=16, pairs=4, grid16=True),
-    GroupedConfig(bn_gu=16, pairs=4, sign_math=True, grid16=True),
-    GroupedConfig(bn_gu=16, pairs=4, prmt=True),
-    GroupedConfig(bn_gu=32, pairs=4, prmt=True),
+    GroupedConfig(),  # the default
+    GroupedConfig(sign_math=False),
+    GroupedConfig(bn_gu=8),
+    GroupedConfig(bn_gu=32),
+    GroupedConfig(pairs=2),
+    GroupedConfig(bn_gu=32, warps=8),
+    GroupedConfig(grid16=True),  # session 7: the pair kernels' decode variants
+    GroupedConfig(sign_math=False, grid16=True),
+    GroupedConfig(prmt=True),
+    GroupedConfig(bn_gu=32, prmt=True),
 ]
 DN_VARIANTS = [
-    GroupedConfig(bn_dn=32, pairs=4),
-    GroupedConfig(bn_dn=64, pairs=4),
-    GroupedConfig(bn_dn=128, pairs=4),
-    GroupedConfig(bn_dn=64, pairs=2),
+    GroupedConfig(),  # the default
+    GroupedConfig(bn_dn=32, pairs_dn=4),
+    GroupedConfig(pairs_dn=4),
+    GroupedConfig(bn_dn=128, pairs_dn=4),
+    GroupedConfig(bn_dn=128),
 ]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
@@ -88,12 +89,12 @@ def route(b: int, bias: torch.Tensor) -> torch.Tensor:
 
 
 def gu_label(c: GroupedConfig) -> str:
-    extra = " math" * c.sign_math + " g16" * c.grid16 + " prmt" * c.prmt
+    extra = " masks" * (not c.sign_math and not c.prmt) + " g16" * c.grid16 + " prmt" * c.prmt
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}"
 
 
 def dn_label(c: GroupedConfig) -> str:
-    return f"grouped bn{c.bn_dn} pt{c.pairs} w{c.warps}"
+    return f"grouped bn{c.bn_dn} pt{c.pairs_dn} w{c.warps}"
 
 
 def time_calls(calls) -> float:

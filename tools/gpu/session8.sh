@@ -13,7 +13,10 @@
 #   part d: the routed-expert decode variants (moe.MoeConfig.prmt / grid16, GroupedConfig.prmt / grid16 /
 #           sign_math: bit-identical by the CPU tests): their GPU tests, bench_moe.py --quick,
 #           bench_moe_grouped.py, the whole-model A/B at B = 1, B = 32 timed with DS4_MOE_GROUPED_PRMT=1.
-# Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session8.sh a|b|c|d
+#   part e (after a-d): the flipped defaults (early trigger on, q8_rows bf16x2, grouped experts with computed
+#           sign masks and down at bn 64 / 2 pairs): their tests and official cases, batched decode checked
+#           and timed, the sweep; then the variants whose tables failed inside a graph capture in part d.
+# Needs .gpu/shared carried (see session5.sh). Usage: bash tools/gpu/session8.sh a|b|c|d|e
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_attend.py \
@@ -30,6 +33,18 @@ elif [ "$1" = d ]; then
   TAIL=20 run bench_grouped 100 python3 tools/gpu/bench_moe_grouped.py
   TAIL=6 run ab 130 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe prmt,moe grid16"
   DS4_MOE_GROUPED_PRMT=1 TAIL=4 run batch32 "$(left)" python3 tools/gpu/batch_check.py --batches 32 \
+    --skip-check --repeats 2 --plain
+elif [ "$1" = e ]; then
+  TAIL=3 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
+    tests/test_kernels_moe.py tests/test_kernels_quant.py tests/test_cuda_backend.py \
+    -k "grouped or grid16 or variants or prmt or q8_rows or official or repeatable"
+  TAIL=10 run batch 100 python3 tools/gpu/batch_check.py --batches 32 --check-batches 8,16 \
+    --check-steps 4 --repeats 2 --plain
+  TAIL=6 run sweep 110 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
+    --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
+  TAIL=24 run bench_grouped 60 python3 tools/gpu/bench_moe_grouped.py
+  TAIL=6 run ab 90 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe prmt,moe grid16"
+  DS4_MOE_GROUPED_PRMT=1 TAIL=4 run batch32_prmt "$(left)" python3 tools/gpu/batch_check.py --batches 32 \
     --skip-check --repeats 2 --plain
 elif [ "$1" = c ]; then
   TAIL=3 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
