@@ -891,11 +891,11 @@ class MoeConfig:
 _INT8 = os.environ.get("DS4_MOE_INT8", "1") == "1"
 # Session 4 (bench_moe.py --quick, H200): sign masks by ALU ops beat the table gather, gate+up B = 1 42.4 ->
 # 39.1 us, B = 4 149.5 -> 137.8 us; down's prefetch / in-kernel fixup gained <= 1.8 us and stay off.
-# MoeConfig.grid16 (the 512-byte code table): not yet timed (tools/gpu/bench_moe.py --quick has it); env
-# DS4_MOE_GRID16=1: on.
+# Session 8 (tools/gpu/ab_decode.py, whole model at 4k ctx, H200): MoeConfig.prmt (nibble tables + byte
+# permutes, bit-identical) 97.82 -> 99.74 tok/s: on (env DS4_MOE_PRMT=0: off); MoeConfig.grid16 (the
+# 512-byte code table) 96.22: off (env DS4_MOE_GRID16=1, which needs DS4_MOE_PRMT=0).
 _GRID16 = os.environ.get("DS4_MOE_GRID16", "0") == "1"
-# MoeConfig.prmt (nibble tables + byte permutes): not yet timed either; env DS4_MOE_PRMT=1: on.
-_PRMT = os.environ.get("DS4_MOE_PRMT", "0") == "1"
+_PRMT = os.environ.get("DS4_MOE_PRMT", "1") == "1"
 _GATE_UP_INT8 = MoeConfig(bn=16, splits=1, int8=True, sign_math=True, grid16=_GRID16, prmt=_PRMT)
 GATE_UP = _GATE_UP_INT8 if _INT8 else MoeConfig(bn=8, splits=1)
 DOWN = MoeConfig(bn=64, splits=1, int8=True) if _INT8 else MoeConfig(bn=32, splits=1)

@@ -401,13 +401,15 @@ class GroupedConfig:
 
 # H200 (tools/gpu/bench_moe_grouped.py, session 8, per layer): gate/up bn 16, 4 pairs per program, sign
 # masks computed (B = 16 534.7 -> 431.2 us, B = 32 902.9 -> 736.6 us; the pair kernel: 487.0 / 959.3); down
-# bn 64, 2 pairs per program (B = 32 423.9 us at bn 32 / 4 pairs -> 414.9; pair kernel 494.8). grid16 /
-# prmt (session 7, the pair kernels' variants): not yet timed; env DS4_MOE_GROUPED_SIGN_MATH=0,
-# DS4_MOE_GROUPED_GRID16=1, DS4_MOE_GROUPED_PRMT=1.
+# bn 64, 2 pairs per program (B = 32 423.9 us at bn 32 / 4 pairs -> 414.9; pair kernel 494.8). The pair
+# kernels' decode variants (session 7): prmt gate/up B = 32 736.7 -> 724.6 us, a whole B = 32 step
+# (tools/gpu/batch_check.py, 8k) 71.37 -> 70.93 ms: on (bit-identical); grid16 763.2 us: off. Env
+# DS4_MOE_GROUPED_SIGN_MATH=0 (used when prmt is off), DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_GRID16=1
+# (with prmt off).
 CONFIG = GroupedConfig(
     sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "1") == "1",
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
-    prmt=os.environ.get("DS4_MOE_GROUPED_PRMT", "0") == "1",
+    prmt=os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1",
 )
 
 

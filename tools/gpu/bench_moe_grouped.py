@@ -44,7 +44,8 @@ CLAMP = 10.0
 CHAIN_TOL = 1e-4
 PAIR_GU, PAIR_DN = moe.GATE_UP, moe.DOWN  # the engine's pair kernels as configured now (int8 by default)
 GU_VARIANTS = [
-    GroupedConfig(),  # the default
+    moe_grouped.CONFIG,  # the engine's
+    GroupedConfig(),
     GroupedConfig(sign_math=False),
     GroupedConfig(bn_gu=8),
     GroupedConfig(bn_gu=32),
@@ -56,7 +57,7 @@ GU_VARIANTS = [
     GroupedConfig(bn_gu=32, prmt=True),
 ]
 DN_VARIANTS = [
-    GroupedConfig(),  # the default
+    moe_grouped.CONFIG,  # the engine's
     GroupedConfig(bn_dn=32, pairs_dn=4),
     GroupedConfig(pairs_dn=4),
     GroupedConfig(bn_dn=128, pairs_dn=4),
