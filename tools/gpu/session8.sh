@@ -31,7 +31,7 @@ elif [ "$1" = d ]; then
     tests/test_kernels_moe_grouped.py -k "grid16 or variants or prmt"
   TAIL=30 run bench_moe 120 python3 tools/gpu/bench_moe.py --quick
   TAIL=20 run bench_grouped 100 python3 tools/gpu/bench_moe_grouped.py
-  TAIL=6 run ab 130 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe prmt,moe grid16"
+  TAIL=6 run ab 130 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe no prmt,moe grid16"
   DS4_MOE_GROUPED_PRMT=1 TAIL=4 run batch32 "$(left)" python3 tools/gpu/batch_check.py --batches 32 \
     --skip-check --repeats 2 --plain
 elif [ "$1" = e ]; then
@@ -43,7 +43,7 @@ elif [ "$1" = e ]; then
   TAIL=6 run sweep 110 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 8192 \
     --step-mul 4 -n 64 --repeats 3 --prompt-file .gpu/shared/bench-text/promessi_sposi.txt --csv "$OUT/sweep.csv"
   TAIL=24 run bench_grouped 60 python3 tools/gpu/bench_moe_grouped.py
-  TAIL=6 run ab 90 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe prmt,moe grid16"
+  TAIL=6 run ab 90 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe no prmt,moe grid16"
   DS4_MOE_GROUPED_PRMT=1 TAIL=4 run batch32_prmt "$(left)" python3 tools/gpu/batch_check.py --batches 32 \
     --skip-check --repeats 2 --plain
 elif [ "$1" = c ]; then
