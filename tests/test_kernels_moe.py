@@ -618,9 +618,11 @@ def _prmt_kernel(a_ptr, b_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, PTX: tl.cons
 
 
 @triton.jit
-def _prmt_words_kernel(nib, snib, idx_ptr, si_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr, PTX: tl.constexpr):
+def _prmt_words_kernel(
+    nib, snib, idx_ptr, si_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr, MATH: tl.constexpr, PTX: tl.constexpr
+):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    lo, hi = moe._prmt_words(nib, snib, tl.load(idx_ptr + i), tl.load(si_ptr + i), PTX)
+    lo, hi = moe._prmt_words(nib, snib, tl.load(idx_ptr + i), tl.load(si_ptr + i), MATH, PTX)
     tl.store(lo_ptr + i, lo)
     tl.store(hi_ptr + i, hi)
 
@@ -628,7 +630,8 @@ def _prmt_words_kernel(nib, snib, idx_ptr, si_ptr, lo_ptr, hi_ptr, BLOCK: tl.con
 @pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=pytest.mark.cuda)], ids=["int32", "ptx"])
 def test_prmt_and_signed_words_exhaustive(ptx):
     """moe._prmt against the PTX definition on random words, and moe._prmt_words (MoeConfig.prmt) on every
-    (grid row, sign pattern) = the grid bytes with KSIGNS applied, straight from the tables."""
+    (grid row, sign pattern) = the grid bytes with KSIGNS applied, straight from the tables: sign nibbles
+    gathered and computed (MoeConfig.sign_math)."""
     from ds4.kernels.packing import iq2_sign_nibbles, iq2xxs_nibbles
 
     assert CUDA or not ptx
@@ -645,9 +648,11 @@ def test_prmt_and_signed_words_exhaustive(ptx):
     si = torch.arange(128, dtype=torch.int32).repeat(256).to(DEVICE)
     lo, hi = (torch.empty(256 * 128, dtype=torch.int32, device=DEVICE) for _ in range(2))
     nib, snib = iq2xxs_nibbles(dev), iq2_sign_nibbles(dev)
-    _prmt_words_kernel[(32,)](nib, snib, idx, si, lo, hi, BLOCK=1024, PTX=ptx)
-    got = torch.stack([lo, hi], 1).cpu().view(torch.int8).reshape(-1, 8)
-    assert torch.equal(got, _want_signed_bytes())
+    for math in (False, True):
+        _prmt_words_kernel[(32,)](nib, snib, idx, si, lo, hi, BLOCK=1024, MATH=math, PTX=ptx)
+        got = torch.stack([lo, hi], 1).cpu().view(torch.int8).reshape(-1, 8)
+        assert torch.equal(got, _want_signed_bytes()), math
+        lo.zero_(), hi.zero_()
 
 
 def test_moe_int8_two_terms_vs_one_term():

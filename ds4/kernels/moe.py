@@ -499,16 +499,33 @@ def _prmt(a, b, sel, PTX: tl.constexpr):
 
 
 @triton.jit
-def _prmt_words(nib, snib, idx, si, PTX: tl.constexpr):
+def _sign_nibbles(n):
+    """4 sign bits n (int32 0..15) -> bit 4 j + 2 set where bit j of n is: n | n << 6 puts bits 0-1 / 2-3
+    at bits 0-1 / 8-9, t | t << 3 each pair's second bit 3 up (the masks keep disjoint bits: no carries)."""
+    t = (n | (n << 6)) & 0x0303
+    return ((t | (t << 3)) & 0x1111) << 2
+
+
+@triton.jit
+def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
     """(wlo, whi) signed grid bytes of IQ2_XXS groups (grid rows idx, sign indices si) by two byte
     permutes: nibble j of nib[idx] (iq2xxs_nibbles) is element j's magnitude code m (0 / 1 / 2), snib[si]
     (iq2_sign_nibbles) sets its bit 2 where KSIGNS[si] negates element j, so each selector nibble picks one
     of the bytes 8, 25, 43 (word a) or -8, -25, -43 (word b). Per group: two 4-byte gathers (1 KB and
-    512 B tables), an OR, a shift, two PRMT, instead of an 8-byte gather, the sign math and the negation."""
-    sel = tl.load(nib + idx) | tl.load(snib + si)
-    a = tl.full(sel.shape, 0x002B1908, tl.int32)  # bytes 8, 25, 43, 0
-    b = tl.full(sel.shape, 0x00D5E7F8, tl.int32)  # bytes -8, -25, -43, 0
-    return _prmt(a, b, sel, PTX), _prmt(a, b, sel >> 16, PTX)
+    512 B tables), an OR, a shift, two PRMT, instead of an 8-byte gather, the sign math and the negation.
+    SIGN_MATH: the sign nibbles computed from si (~16 ALU ops: bit 7 of KSIGNS[s] is the parity of s, as in
+    _iq2_sign_bits) instead of the second gather."""
+    w = tl.load(nib + idx)
+    if SIGN_MATH:
+        par = (tl.full(si.shape, 0x6996, tl.int32) >> ((si ^ (si >> 4)) & 15)) & 1
+        lo = w | _sign_nibbles(si & 15)
+        hi = (w >> 16) | _sign_nibbles(((si >> 4) & 7) | (par << 3))
+    else:
+        lo = w | tl.load(snib + si)
+        hi = lo >> 16
+    a = tl.full(lo.shape, 0x002B1908, tl.int32)  # bytes 8, 25, 43, 0
+    b = tl.full(lo.shape, 0x00D5E7F8, tl.int32)  # bytes -8, -25, -43, 0
+    return _prmt(a, b, lo, PTX), _prmt(a, b, hi, PTX)
 
 
 @triton.jit
@@ -523,10 +540,11 @@ def _negate_by_bits(lo, hi, si):
 def _signed_words(tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
     """(wlo, whi) int32 signed grid bytes (elements 0-3 / 4-7) of IQ2_XXS groups with grid rows idx and sign
     indices si, from the launcher's tables (iq2_tables, whose dtypes pick the decode): nibbles and byte
-    permutes (_prmt_words, PTX: as PTX), or magnitude words (_grid_words) negated by sign masks computed
-    (SIGN_MATH) or gathered from ksm. The decode of the pair kernels and of the grouped ones."""
+    permutes (_prmt_words, PTX: as PTX; its sign nibbles computed with SIGN_MATH, else gathered from ksm),
+    or magnitude words (_grid_words) negated by sign masks computed (SIGN_MATH) or gathered from ksm. The
+    decode of the pair kernels and of the grouped ones."""
     if tab.dtype.element_ty == tl.int32:  # MoeConfig.prmt
-        wlo, whi = _prmt_words(tab, ksm, idx, si, PTX)
+        wlo, whi = _prmt_words(tab, ksm, idx, si, SIGN_MATH, PTX)
     else:
         lo, hi = _grid_words(tab, idx)
         if SIGN_MATH:
@@ -867,7 +885,7 @@ class MoeConfig:
     dp4a: bool = True  # int8 kernels on CUDA: PTX dp4a (False: the plain int32 expression, for A/B)
     terms: int = 2  # int8 kernels: activation int8 planes (1: plain Q8_K, ~1 % error; 2: + residual plane)
     prefetch: bool = False  # int8 kernels: load super-block kt + 1 before computing kt (software pipelining)
-    sign_math: bool = False  # int8 IQ2_XXS: sign byte masks computed in ALU ops instead of an L1 gather
+    sign_math: bool = False  # int8 IQ2_XXS: sign masks (prmt: sign nibbles) computed, not an L1 gather
     gather: bool = False  # int8 IQ2_XXS: table lookups via tl.gather (shared memory) instead of L1 gathers
     fixup: bool = False  # int8 down: the sum over k slots / splits in the kernel (last program), no torch sum
     grid16: bool = False  # int8 IQ2_XXS: the grid as 16-bit codes (_grid_words), not 8-byte rows
@@ -893,10 +911,13 @@ _INT8 = os.environ.get("DS4_MOE_INT8", "1") == "1"
 # 39.1 us, B = 4 149.5 -> 137.8 us; down's prefetch / in-kernel fixup gained <= 1.8 us and stay off.
 # Session 8 (tools/gpu/ab_decode.py, whole model at 4k ctx, H200): MoeConfig.prmt (nibble tables + byte
 # permutes, bit-identical) 97.82 -> 99.74 tok/s: on (env DS4_MOE_PRMT=0: off); MoeConfig.grid16 (the
-# 512-byte code table) 96.22: off (env DS4_MOE_GRID16=1, which needs DS4_MOE_PRMT=0).
+# 512-byte code table) 96.22: off (env DS4_MOE_GRID16=1, which needs DS4_MOE_PRMT=0). With prmt, sign_math
+# means the sign nibbles computed instead of their 512-byte table gathered: not yet timed (session 8 has
+# prmt with the gather), off; env DS4_MOE_SIGN_MATH (default: on without prmt, off with it).
 _GRID16 = os.environ.get("DS4_MOE_GRID16", "0") == "1"
 _PRMT = os.environ.get("DS4_MOE_PRMT", "1") == "1"
-_GATE_UP_INT8 = MoeConfig(bn=16, splits=1, int8=True, sign_math=True, grid16=_GRID16, prmt=_PRMT)
+_SIGN_MATH = os.environ.get("DS4_MOE_SIGN_MATH", "0" if _PRMT else "1") == "1"
+_GATE_UP_INT8 = MoeConfig(bn=16, splits=1, int8=True, sign_math=_SIGN_MATH, grid16=_GRID16, prmt=_PRMT)
 GATE_UP = _GATE_UP_INT8 if _INT8 else MoeConfig(bn=8, splits=1)
 DOWN = MoeConfig(bn=64, splits=1, int8=True) if _INT8 else MoeConfig(bn=32, splits=1)
 

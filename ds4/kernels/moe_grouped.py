@@ -385,7 +385,7 @@ class GroupedConfig:
     warps: int = 4
     terms: int = GATE_UP.terms
     dp4a: bool = True
-    sign_math: bool = True  # gate/up: sign masks computed, not gathered (as moe.MoeConfig.sign_math)
+    sign_math: bool = True  # gate/up: sign masks / nibbles computed, not gathered (moe.MoeConfig.sign_math)
     grid16: bool = False  # gate/up: the grid as 16-bit codes (as moe.MoeConfig.grid16)
     prmt: bool = False  # gate/up: nibble tables and byte permutes (as moe.MoeConfig.prmt)
 
@@ -403,13 +403,14 @@ class GroupedConfig:
 # masks computed (B = 16 534.7 -> 431.2 us, B = 32 902.9 -> 736.6 us; the pair kernel: 487.0 / 959.3); down
 # bn 64, 2 pairs per program (B = 32 423.9 us at bn 32 / 4 pairs -> 414.9; pair kernel 494.8). The pair
 # kernels' decode variants (session 7): prmt gate/up B = 32 736.7 -> 724.6 us, a whole B = 32 step
-# (tools/gpu/batch_check.py, 8k) 71.37 -> 70.93 ms: on (bit-identical); grid16 763.2 us: off. Env
-# DS4_MOE_GROUPED_SIGN_MATH=0 (used when prmt is off), DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_GRID16=1
-# (with prmt off).
+# (tools/gpu/batch_check.py, 8k) 71.37 -> 70.93 ms: on (bit-identical); grid16 763.2 us: off. prmt with
+# computed sign nibbles (sign_math): not yet timed, off. Env DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_SIGN_MATH
+# (default: on without prmt, off with it), DS4_MOE_GROUPED_GRID16=1 (with prmt off).
+_PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 CONFIG = GroupedConfig(
-    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "1") == "1",
+    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0" if _PRMT else "1") == "1",
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
-    prmt=os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1",
+    prmt=_PRMT,
 )
 
 

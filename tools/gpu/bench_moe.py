@@ -94,6 +94,7 @@ GU_NEW = [
     _new(bn=16, sign_math=True, grid16=True),  # session 7: the grid as 16-bit codes (512-byte table)
     _new(bn=16, grid16=True),
     _new(bn=16, prmt=True),  # nibble tables + byte permutes (signed bytes in 2 PRMT per group)
+    _new(bn=16, prmt=True, sign_math=True),  # session 8: the sign nibbles computed, one gather per group
     _new(bn=8, prmt=True),
     _new(bn=32, warps=8, prmt=True),
 ]

@@ -53,8 +53,9 @@ GU_VARIANTS = [
     GroupedConfig(bn_gu=32, warps=8),
     GroupedConfig(grid16=True),  # session 7: the pair kernels' decode variants
     GroupedConfig(sign_math=False, grid16=True),
-    GroupedConfig(prmt=True),
-    GroupedConfig(bn_gu=32, prmt=True),
+    GroupedConfig(prmt=True, sign_math=False),
+    GroupedConfig(prmt=True),  # session 8: prmt with the sign nibbles computed
+    GroupedConfig(bn_gu=32, prmt=True, sign_math=False),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -90,7 +91,7 @@ def route(b: int, bias: torch.Tensor) -> torch.Tensor:
 
 
 def gu_label(c: GroupedConfig) -> str:
-    extra = " masks" * (not c.sign_math and not c.prmt) + " g16" * c.grid16 + " prmt" * c.prmt
+    extra = (" math" if c.sign_math else " masks") + " g16" * c.grid16 + " prmt" * c.prmt
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}"
 
 
@@ -325,7 +326,7 @@ def compile_only() -> None:
                 (f"gu bn{bn} pt{pt} w{w} t{t}", moe_grouped._gate_up_grouped_kernel, _GU_SIG, consts, w)
             )
     tables = {"g16": {"tab64": "*i16"}, "prmt": {"tab64": "*i32", "ksm": "*i32"}, "": {}}
-    for math, tab in ((True, ""), (False, "g16"), (True, "g16"), (False, "prmt")):  # the decode variants
+    for math, tab in ((True, ""), (False, "g16"), (True, "g16"), (False, "prmt"), (True, "prmt")):  # variants
         consts = {"BN": 16, "PT": 4, "CLAMP": True, "TERMS": 2, "DP4A": True, "SIGN_MATH": math}
         name = "gu bn16 pt4 w4 t2" + " math" * math + f" {tab}" * bool(tab)
         runs.append((name, moe_grouped._gate_up_grouped_kernel, {**_GU_SIG, **tables[tab]}, consts, 4))
