@@ -619,10 +619,19 @@ def _prmt_kernel(a_ptr, b_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, PTX: tl.cons
 
 @triton.jit
 def _prmt_words_kernel(
-    nib, snib, idx_ptr, si_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr, MATH: tl.constexpr, PTX: tl.constexpr
+    nib,
+    snib,
+    idx_ptr,
+    si_ptr,
+    lo_ptr,
+    hi_ptr,
+    BLOCK: tl.constexpr,
+    MATH: tl.constexpr,
+    PTX: tl.constexpr,
+    POS_REG: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    lo, hi = moe._prmt_words(nib, snib, tl.load(idx_ptr + i), tl.load(si_ptr + i), MATH, PTX)
+    lo, hi = moe._prmt_words(nib, snib, tl.load(idx_ptr + i), tl.load(si_ptr + i), MATH, PTX, POS_REG)
     tl.store(lo_ptr + i, lo)
     tl.store(hi_ptr + i, hi)
 
@@ -631,7 +640,7 @@ def _prmt_words_kernel(
 def test_prmt_and_signed_words_exhaustive(ptx):
     """moe._prmt against the PTX definition on random words, and moe._prmt_words (MoeConfig.prmt) on every
     (grid row, sign pattern) = the grid bytes with KSIGNS applied, straight from the tables: sign nibbles
-    gathered and computed (MoeConfig.sign_math)."""
+    gathered and computed (MoeConfig.sign_math), the positive word a constant and loaded (POS_REG)."""
     from ds4.kernels.packing import iq2_sign_nibbles, iq2xxs_nibbles
 
     assert CUDA or not ptx
@@ -648,10 +657,10 @@ def test_prmt_and_signed_words_exhaustive(ptx):
     si = torch.arange(128, dtype=torch.int32).repeat(256).to(DEVICE)
     lo, hi = (torch.empty(256 * 128, dtype=torch.int32, device=DEVICE) for _ in range(2))
     nib, snib = iq2xxs_nibbles(dev), iq2_sign_nibbles(dev)
-    for math in (False, True):
-        _prmt_words_kernel[(32,)](nib, snib, idx, si, lo, hi, BLOCK=1024, MATH=math, PTX=ptx)
+    for math, preg in ((False, False), (True, False), (False, True)):
+        _prmt_words_kernel[(32,)](nib, snib, idx, si, lo, hi, BLOCK=1024, MATH=math, PTX=ptx, POS_REG=preg)
         got = torch.stack([lo, hi], 1).cpu().view(torch.int8).reshape(-1, 8)
-        assert torch.equal(got, _want_signed_bytes()), math
+        assert torch.equal(got, _want_signed_bytes()), (math, preg)
         lo.zero_(), hi.zero_()
 
 

@@ -87,13 +87,17 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"sign_math": True, "grid16": True},
         {"prmt": True},
         {"prmt": True, "sign_math": True},
+        {"chain": True},
+        {"prmt": True, "pos_reg": True},
+        {"prmt": True, "chain": True, "pos_reg": True},
     ],
     ids=lambda v: "+".join(v),
 )
 def test_grouped_decode_variants_change_no_bit(variant):
     """GroupedConfig.sign_math (computed sign masks), .grid16 (the 16-bit code table) and .prmt (nibble
-    tables, byte permutes; with sign_math the sign nibbles computed) decode the same signed grid words:
-    gate/up equals the gathered-mask 8-byte-row decode bit for bit."""
+    tables, byte permutes; with sign_math the sign nibbles computed; pos_reg: their source word loaded)
+    decode the same signed grid words, and .chain sums the same integers: gate/up equals the gathered-mask
+    8-byte-row decode bit for bit."""
     from dataclasses import replace
 
     wg, wu, _, ids, x, _, _ = _case(24, 256, 40, IDS, 52)

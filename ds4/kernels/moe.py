@@ -507,15 +507,23 @@ def _sign_nibbles(n):
 
 
 @triton.jit
-def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
+def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr):
     """(wlo, whi) signed grid bytes of IQ2_XXS groups (grid rows idx, sign indices si) by two byte
     permutes: nibble j of nib[idx] (iq2xxs_nibbles) is element j's magnitude code m (0 / 1 / 2), snib[si]
     (iq2_sign_nibbles) sets its bit 2 where KSIGNS[si] negates element j, so each selector nibble picks one
     of the bytes 8, 25, 43 (word a) or -8, -25, -43 (word b). Per group: two 4-byte gathers (1 KB and
     512 B tables), an OR, a shift, two PRMT, instead of an 8-byte gather, the sign math and the negation.
     SIGN_MATH: the sign nibbles computed from si (~16 ALU ops: bit 7 of KSIGNS[s] is the parity of s, as in
-    _iq2_sign_bits) instead of the second gather."""
+    _iq2_sign_bits) instead of the second gather. POS_REG: the positive bytes' word loaded (see below)."""
     w = tl.load(nib + idx)
+    # bytes 8, 25, 43, 0. As a constant, ptxas copies it from a uniform register before every PRMT (whose
+    # first source must be a vector register; sm_90: 16 instructions per k step of the grouped gate/up);
+    # loaded (POS_REG: iq2xxs_nibbles' last word, the load hoisted out of the loop) it stays in a register,
+    # which costs the grouped kernel registers (64 -> 96 at 4 pairs)
+    if POS_REG:
+        a = tl.zeros_like(w) + tl.load(nib + 256)
+    else:
+        a = tl.full(w.shape, 0x002B1908, tl.int32)
     if SIGN_MATH:
         par = (tl.full(si.shape, 0x6996, tl.int32) >> ((si ^ (si >> 4)) & 15)) & 1
         lo = w | _sign_nibbles(si & 15)
@@ -523,8 +531,7 @@ def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
     else:
         lo = w | tl.load(snib + si)
         hi = lo >> 16
-    a = tl.full(lo.shape, 0x002B1908, tl.int32)  # bytes 8, 25, 43, 0
-    b = tl.full(lo.shape, 0x00D5E7F8, tl.int32)  # bytes -8, -25, -43, 0
+    b = tl.full(lo.shape, 0x00D5E7F8, tl.int32)  # bytes -8, -25, -43, 0: PRMT's immediate operand
     return _prmt(a, b, lo, PTX), _prmt(a, b, hi, PTX)
 
 
@@ -537,14 +544,16 @@ def _negate_by_bits(lo, hi, si):
 
 
 @triton.jit
-def _signed_words(tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
+def _signed_words(
+    tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr = False
+):
     """(wlo, whi) int32 signed grid bytes (elements 0-3 / 4-7) of IQ2_XXS groups with grid rows idx and sign
     indices si, from the launcher's tables (iq2_tables, whose dtypes pick the decode): nibbles and byte
     permutes (_prmt_words, PTX: as PTX; its sign nibbles computed with SIGN_MATH, else gathered from ksm),
     or magnitude words (_grid_words) negated by sign masks computed (SIGN_MATH) or gathered from ksm. The
     decode of the pair kernels and of the grouped ones."""
     if tab.dtype.element_ty == tl.int32:  # MoeConfig.prmt
-        wlo, whi = _prmt_words(tab, ksm, idx, si, SIGN_MATH, PTX)
+        wlo, whi = _prmt_words(tab, ksm, idx, si, SIGN_MATH, PTX, POS_REG)
     else:
         lo, hi = _grid_words(tab, idx)
         if SIGN_MATH:

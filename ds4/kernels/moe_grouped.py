@@ -57,11 +57,14 @@ MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up 
 
 
 @triton.jit
-def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, PTX: tl.constexpr):
+def _iq2_decode(
+    qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr
+):
     """IQ2_XXS super-block kt of rows wrow [BN] (sg: the sub-block words as bytes), decoded once: (wlo, whi
-    [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8, 4] int32 =
-    2 ls + 1, d [BN] f32), as moe.py's _iq2_q8k_block decodes them (moe._signed_words: tab64 / ksm the
-    launcher's tables, SIGN_MATH the computed sign masks, PTX the byte permutes as PTX)."""
+    [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8] int32 =
+    2 ls + 1 per sub-block, d [BN] f32), as moe.py's _iq2_q8k_block decodes them (moe._signed_words: tab64 /
+    ksm the launcher's tables, SIGN_MATH the computed sign masks, PTX the byte permutes as PTX, POS_REG as
+    GroupedConfig.pos_reg)."""
     sb = tl.arange(0, 8)[None, :, None]
     lg = tl.arange(0, 4)[None, None, :]
     w3 = wrow[:, None, None]
@@ -70,30 +73,73 @@ def _iq2_decode(qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, P
     # summed within a thread (lg is), where an int32 [BN, 8, 1] load took a layout of its own and two
     # shared-memory conversions per block (barriers) on sm_90
     a1b = tl.load(sg + (w3 * (nb * 8) + kt * 8 + sb) * 4 + lg).to(tl.int32)  # [BN, 8, 4] bytes lg
-    a1 = tl.sum(a1b << (8 * lg), axis=2)[:, :, None]
+    a1w = tl.sum(a1b << (8 * lg), axis=2)  # [BN, 8]
+    a1 = a1w[:, :, None]
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)
     si = (a1 >> (7 * lg)) & 127  # [BN, 8, 4] sign indices
-    wlo, whi = _signed_words(tab64, ksm, idx.to(tl.int32), si, SIGN_MATH, PTX)
-    ls = 2 * ((tl.broadcast_to(a1, (a1.shape[0], 8, 4)) >> 28) & 15) + 1  # [BN, 8, 4] as the dots
-    return wlo, whi, ls, d
+    wlo, whi = _signed_words(tab64, ksm, idx.to(tl.int32), si, SIGN_MATH, PTX, POS_REG)
+    return wlo, whi, 2 * ((a1w >> 28) & 15) + 1, d
+
+
+@triton.jit
+def _quarters(t):
+    """The 4 slices [BN, 8] of t [BN, 8, 4] along its last dim (held by one thread: no data movement)."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 2, 2)))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _dot_groups(wl, wh, x8, c, DP4A: tl.constexpr):
+    """c + the integer dot of a sub-block's 4 groups (weight words wl, wh [BN, 8, 4]; x words x8 [1, 8, 4]
+    int64): one dp4a chain, no per-group sums."""
+    l0, l1, l2, l3 = _quarters(wl)
+    h0, h1, h2, h3 = _quarters(wh)
+    x0, x1, x2, x3 = _quarters(x8)
+    c = _dot4(h0, (x0 >> 32).to(tl.int32), _dot4(l0, x0.to(tl.int32), c, DP4A), DP4A)
+    c = _dot4(h1, (x1 >> 32).to(tl.int32), _dot4(l1, x1.to(tl.int32), c, DP4A), DP4A)
+    c = _dot4(h2, (x2 >> 32).to(tl.int32), _dot4(l2, x2.to(tl.int32), c, DP4A), DP4A)
+    return _dot4(h3, (x3 >> 32).to(tl.int32), _dot4(l3, x3.to(tl.int32), c, DP4A), DP4A)
 
 
 @triton.jit
 def _iq2_pair(
-    wlo, whi, ls, d, xw_ptr, dx_ptr, b, kt, nb, xrow, xplane, xg, TERMS: tl.constexpr, DP4A: tl.constexpr
+    wlo,
+    whi,
+    ls,
+    d,
+    xw_ptr,
+    dx_ptr,
+    b,
+    kt,
+    nb,
+    xrow,
+    xplane,
+    xg,
+    TERMS: tl.constexpr,
+    DP4A: tl.constexpr,
+    CHAIN: tl.constexpr,
 ):
     """[BN, 8] f32 partials of one pair (x row b: xw words at b * xrow, int64 per group of 8) on a decoded
     IQ2_XXS super-block: (d_w d_x) sum_32 (2 ls + 1) g v per sub-block, the 4 groups of a sub-block summed as
     integers (moe._iq2_q8k_block scales each group in f32: same value up to f32 rounding; the twin sums whole
-    blocks as integers). |sum| <= 4 * 8 * 43 * 32385 * 31 < 2^31."""
+    blocks as integers): per group, then over the groups, or (CHAIN, GroupedConfig.chain) in one dp4a chain
+    per plane. |sum| <= 32 * 43 * 32385 * 31 < 2^31."""
     xo = xw_ptr + b * xrow + kt * 32 + xg
-    x8 = tl.load(xo)  # [1, 8, 4] int64
-    dot = _dot4(whi, (x8 >> 32).to(tl.int32), _dot4(wlo, x8.to(tl.int32), 0, DP4A), DP4A)
-    if TERMS == 2:  # residual plane: v = 254 q1 + q2, the same weight words
-        x8 = tl.load(xo + xplane)
-        dot = _dot4(whi, (x8 >> 32).to(tl.int32), _dot4(wlo, x8.to(tl.int32), dot * 254, DP4A), DP4A)
+    if CHAIN:
+        dot = _dot_groups(wlo, whi, tl.load(xo), tl.zeros([wlo.shape[0], 8], dtype=tl.int32), DP4A)
+        if TERMS == 2:  # residual plane: v = 254 q1 + q2, the same weight words
+            dot = _dot_groups(wlo, whi, tl.load(xo + xplane), dot * 254, DP4A)
+    else:
+        x8 = tl.load(xo)  # [1, 8, 4] int64
+        dot4 = _dot4(whi, (x8 >> 32).to(tl.int32), _dot4(wlo, x8.to(tl.int32), 0, DP4A), DP4A)
+        if TERMS == 2:
+            x8 = tl.load(xo + xplane)
+            dot4 = _dot4(whi, (x8 >> 32).to(tl.int32), _dot4(wlo, x8.to(tl.int32), dot4 * 254, DP4A), DP4A)
+        dot = tl.sum(dot4, axis=2)  # [BN, 8]
     dx = tl.load(dx_ptr + b * nb + kt)
-    return (d * dx)[:, None] * tl.sum(dot * ls, axis=2).to(tl.float32)
+    return (d * dx)[:, None] * (dot * ls).to(tl.float32)
 
 
 @triton.jit
@@ -154,6 +200,8 @@ def _gate_up_grouped_kernel(
     TERMS: tl.constexpr,
     DP4A: tl.constexpr,
     SIGN_MATH: tl.constexpr,
+    CHAIN: tl.constexpr = False,
+    POS_REG: tl.constexpr = False,
 ):
     """Gate and up of up to PT pairs of one expert (sorted positions p ..) on the quantized input (xw
     [TERMS, B, K/8] int64, planes xplane words apart; dx [B, K/256]) -> mid rows out [P, F] (flat pair
@@ -181,22 +229,34 @@ def _gate_up_grouped_kernel(
     g3 = tl.zeros([BN, 8], dtype=tl.float32)
     u3 = tl.zeros([BN, 8], dtype=tl.float32)
     for kt in range(0, tl.where(live, nb, 0)):
-        wl, wh, ls, d = _iq2_decode(gq, gs, gd, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A)
-        vl, vh, ms, c = _iq2_decode(uq, us, ud, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A)
-        g0 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A)
-        u0 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+        wl, wh, ls, d = _iq2_decode(gq, gs, gd, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG)
+        vl, vh, ms, c = _iq2_decode(uq, us, ud, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG)
+        g0 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
+        u0 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
         if PT > 1:
             if cnt > 1:
-                g1 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b1, kt, nb, xrow, xplane, xg, TERMS, DP4A)
-                u1 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b1, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+                g1 += _iq2_pair(
+                    wl, wh, ls, d, xw_ptr, dx_ptr, b1, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN
+                )
+                u1 += _iq2_pair(
+                    vl, vh, ms, c, xw_ptr, dx_ptr, b1, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN
+                )
         if PT > 2:
             if cnt > 2:
-                g2 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b2, kt, nb, xrow, xplane, xg, TERMS, DP4A)
-                u2 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b2, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+                g2 += _iq2_pair(
+                    wl, wh, ls, d, xw_ptr, dx_ptr, b2, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN
+                )
+                u2 += _iq2_pair(
+                    vl, vh, ms, c, xw_ptr, dx_ptr, b2, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN
+                )
         if PT > 3:
             if cnt > 3:
-                g3 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b3, kt, nb, xrow, xplane, xg, TERMS, DP4A)
-                u3 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b3, kt, nb, xrow, xplane, xg, TERMS, DP4A)
+                g3 += _iq2_pair(
+                    wl, wh, ls, d, xw_ptr, dx_ptr, b3, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN
+                )
+                u3 += _iq2_pair(
+                    vl, vh, ms, c, xw_ptr, dx_ptr, b3, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN
+                )
     _gu_store(out_ptr, p0, g0, u0, n, F, clamp, cnt > 0, CLAMP)
     if PT > 1:
         _gu_store(out_ptr, p1, g1, u1, n, F, clamp, cnt > 1, CLAMP)
@@ -388,6 +448,8 @@ class GroupedConfig:
     sign_math: bool = True  # gate/up: sign masks / nibbles computed, not gathered (moe.MoeConfig.sign_math)
     grid16: bool = False  # gate/up: the grid as 16-bit codes (as moe.MoeConfig.grid16)
     prmt: bool = False  # gate/up: nibble tables and byte permutes (as moe.MoeConfig.prmt)
+    chain: bool = False  # gate/up: one dp4a chain per sub-block and plane (_iq2_pair)
+    pos_reg: bool = False  # gate/up, prmt: the permutes' positive word loaded, not a constant (_prmt_words)
 
     def __post_init__(self) -> None:
         for name in ("pairs", "pairs_dn"):
@@ -405,12 +467,17 @@ class GroupedConfig:
 # kernels' decode variants (session 7): prmt gate/up B = 32 736.7 -> 724.6 us, a whole B = 32 step
 # (tools/gpu/batch_check.py, 8k) 71.37 -> 70.93 ms: on (bit-identical); grid16 763.2 us: off. prmt with
 # computed sign nibbles (sign_math): not yet timed, off. Env DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_SIGN_MATH
-# (default: on without prmt, off with it), DS4_MOE_GROUPED_GRID16=1 (with prmt off).
+# (default: on without prmt, off with it), DS4_MOE_GROUPED_GRID16=1 (with prmt off). chain / pos_reg
+# (session 8, sm_90 k loop of gate/up bn 16, 4 pairs, prmt: 454 instructions / 64 registers; chain 412 / 72;
+# both 389 / 96: fewer instructions, fewer resident programs): not yet timed, off; env
+# DS4_MOE_GROUPED_CHAIN=1, DS4_MOE_GROUPED_POS_REG=1.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 CONFIG = GroupedConfig(
     sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0" if _PRMT else "1") == "1",
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=_PRMT,
+    chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",
+    pos_reg=os.environ.get("DS4_MOE_GROUPED_POS_REG", "0") == "1",
 )
 
 
@@ -502,7 +569,7 @@ def moe_gate_up_grouped(
         *iq2_tables(x.device, cfg.grid16, cfg.prmt),
         runs.order, runs.eid, runs.offsets, out, k, B * k, E, F, K, B * K // 8, float(clamp),
         BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg),
-        SIGN_MATH=cfg.sign_math, num_warps=cfg.warps, launch_pdl=PDL,
+        SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     return out
 

@@ -56,6 +56,10 @@ GU_VARIANTS = [
     GroupedConfig(prmt=True, sign_math=False),
     GroupedConfig(prmt=True),  # session 8: prmt with the sign nibbles computed
     GroupedConfig(bn_gu=32, prmt=True, sign_math=False),
+    GroupedConfig(prmt=True, sign_math=False, chain=True),  # session 8: one dp4a chain per sub-block
+    GroupedConfig(prmt=True, sign_math=False, pos_reg=True),  # the permutes' positive word loaded
+    GroupedConfig(prmt=True, sign_math=False, chain=True, pos_reg=True),
+    GroupedConfig(prmt=True, sign_math=False, chain=True, pairs=2),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -92,6 +96,7 @@ def route(b: int, bias: torch.Tensor) -> torch.Tensor:
 
 def gu_label(c: GroupedConfig) -> str:
     extra = (" math" if c.sign_math else " masks") + " g16" * c.grid16 + " prmt" * c.prmt
+    extra += " chain" * c.chain + " preg" * c.pos_reg
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}"
 
 
@@ -326,9 +331,13 @@ def compile_only() -> None:
                 (f"gu bn{bn} pt{pt} w{w} t{t}", moe_grouped._gate_up_grouped_kernel, _GU_SIG, consts, w)
             )
     tables = {"g16": {"tab64": "*i16"}, "prmt": {"tab64": "*i32", "ksm": "*i32"}, "": {}}
-    for math, tab in ((True, ""), (False, "g16"), (True, "g16"), (False, "prmt"), (True, "prmt")):  # variants
+    variants = [(True, "", False, False), (False, "g16", False, False), (True, "g16", False, False)]
+    variants += [(False, "prmt", c, p) for c in (False, True) for p in (False, True)] + [(True, "prmt", 0, 0)]
+    for math, tab, chain, preg in variants:
         consts = {"BN": 16, "PT": 4, "CLAMP": True, "TERMS": 2, "DP4A": True, "SIGN_MATH": math}
+        consts |= {"CHAIN": bool(chain), "POS_REG": bool(preg)}
         name = "gu bn16 pt4 w4 t2" + " math" * math + f" {tab}" * bool(tab)
+        name += " chain" * chain + " preg" * preg
         runs.append((name, moe_grouped._gate_up_grouped_kernel, {**_GU_SIG, **tables[tab]}, consts, 4))
     for bn, pt, w in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (64, 2, 4)):
         for t in (2, 1):
