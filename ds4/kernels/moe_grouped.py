@@ -82,21 +82,12 @@ def _iq2_decode(
 
 
 @triton.jit
-def _quarters(t):
-    """The 4 slices [BN, 8] of t [BN, 8, 4] along its last dim (held by one thread: no data movement)."""
-    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 2, 2)))
-    a0, a1 = tl.split(a)
-    b0, b1 = tl.split(b)
-    return a0, b0, a1, b1
-
-
-@triton.jit
 def _dot_groups(wl, wh, x8, c, DP4A: tl.constexpr):
     """c + the integer dot of a sub-block's 4 groups (weight words wl, wh [BN, 8, 4]; x words x8 [1, 8, 4]
     int64): one dp4a chain, no per-group sums."""
-    l0, l1, l2, l3 = _quarters(wl)
-    h0, h1, h2, h3 = _quarters(wh)
-    x0, x1, x2, x3 = _quarters(x8)
+    l0, l1, l2, l3 = _split4(wl)
+    h0, h1, h2, h3 = _split4(wh)
+    x0, x1, x2, x3 = _split4(x8)
     c = _dot4(h0, (x0 >> 32).to(tl.int32), _dot4(l0, x0.to(tl.int32), c, DP4A), DP4A)
     c = _dot4(h1, (x1 >> 32).to(tl.int32), _dot4(l1, x1.to(tl.int32), c, DP4A), DP4A)
     c = _dot4(h2, (x2 >> 32).to(tl.int32), _dot4(l2, x2.to(tl.int32), c, DP4A), DP4A)
@@ -468,7 +459,7 @@ class GroupedConfig:
 # (tools/gpu/batch_check.py, 8k) 71.37 -> 70.93 ms: on (bit-identical); grid16 763.2 us: off. prmt with
 # computed sign nibbles (sign_math): not yet timed, off. Env DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_SIGN_MATH
 # (default: on without prmt, off with it), DS4_MOE_GROUPED_GRID16=1 (with prmt off). chain / pos_reg
-# (session 8, sm_90 k loop of gate/up bn 16, 4 pairs, prmt: 454 instructions / 64 registers; chain 412 / 72;
+# (session 8, sm_90 k loop of gate/up bn 16, 4 pairs, prmt: 454 instructions / 64 registers; chain 410 / 72;
 # both 389 / 96: fewer instructions, fewer resident programs): not yet timed, off; env
 # DS4_MOE_GROUPED_CHAIN=1, DS4_MOE_GROUPED_POS_REG=1.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
