@@ -393,13 +393,16 @@ def _iq2_sign_bits(s):
 
 @triton.jit
 def _iq2_load(qs, sg, dd, wrow, kt, nb):
-    """The IQ2_XXS bytes of super-block kt of rows wrow: (grid indices [BN, 8, 4] u8, sub-block words
-    [BN, 8, 1] int32, scales [BN] f32)."""
+    """The IQ2_XXS bytes of super-block kt of rows wrow (sg: the sub-block words as bytes): (grid indices
+    [BN, 8, 4] u8, sub-block words [BN, 8, 1] int32, scales [BN] f32)."""
     sb = tl.arange(0, 8)[None, :, None]
     lg = tl.arange(0, 4)[None, None, :]
     w3 = wrow[:, None, None]
     idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)
-    a1 = tl.load(sg + w3 * (nb * 8) + kt * 8 + sb)
+    # the sub-block word from its 4 bytes, loaded in the grid indices' shape and summed within a thread: an
+    # int32 [BN, 8, 1] load took a layout of its own and shared-memory conversions (barriers) per block
+    a1b = tl.load(sg + (w3 * (nb * 8) + kt * 8 + sb) * 4 + lg).to(tl.int32)  # [BN, 8, 4] bytes lg
+    a1 = tl.sum(a1b << (8 * lg), axis=2)[:, :, None]
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)
     return idx, a1, d
 
@@ -1013,8 +1016,9 @@ def moe_gate_up(
         xq, dx = quantize_q8k(x, cfg.terms)
         tab, ksm = iq2_tables(x.device, cfg.grid16, cfg.prmt)
         g, u = wg.data, wu.data
+        gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
         _iq2_q8k_gate_up_kernel[grid](
-            xq.view(torch.int64), dx, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], tab, ksm, ids, part,
+            xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"], tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
             TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, PREFETCH=cfg.prefetch,
             GATHER=cfg.gather, num_warps=cfg.warps,
