@@ -700,6 +700,75 @@ def _iq2_q8k_gate_up_kernel(
 
 
 @triton.jit
+def _split4(v):
+    """[..., 4] -> 4 tensors [...]: the last dim's entries in the order 0, 2, 1, 3 (any fixed order serves:
+    weights and activations are split alike). Free in registers when the last dim is within a thread."""
+    even, odd = tl.split(tl.reshape(v, v.shape[:-1] + (2, 2)))
+    a, b = tl.split(even)
+    c, d = tl.split(odd)
+    return a, b, c, d
+
+
+@triton.jit
+def _pick(t: tl.constexpr, a, b, c, d):
+    """The t-th of a, b, c, d (t a compile-time constant)."""
+    if t == 0:
+        return a
+    elif t == 1:
+        return b
+    elif t == 2:
+        return c
+    else:
+        return d
+
+
+@triton.jit
+def _dot16(q0, q1, q2, q3, xo, DP4A: tl.constexpr):
+    """[BN, 4c] int32: the 4 quant words q0..q3 [BN, 4c] dotted with the 4 x words at xo [1, 4c, 4jj] (split
+    alike), one dp4a chain: sum of 16 q v."""
+    x0, x1, x2, x3 = _split4(tl.load(xo))
+    return _dot4(q3, x3, _dot4(q2, x2, _dot4(q1, x1, _dot4(q0, x0, 0, DP4A), DP4A), DP4A), DP4A)
+
+
+@triton.jit
+def _q2k_block_sums(
+    xo, xplane, qw, sc, wrow, kt, nb, BN: tl.constexpr, TERMS: tl.constexpr, DP4A: tl.constexpr
+):
+    """(I, M) [BN, 4c] int32 of Q2_K super-block kt for one quantized x row (words at xo, planes xplane
+    apart): I = sum_t sc sum_16 q v and M = sum_t m sum_16 v per 16-byte group c (index layout:
+    _q2k_q8k_down_kernel), shift by shift in the quant words' layout, the scale bytes read as their group
+    half's 8 contiguous bytes and picked by parity to share it (as moe_grouped's down kernel): no layout
+    conversions, so no barriers in the k loop. |I| <= 4 * 15 * 16 * 3 * 32385 < 2^31."""
+    c = tl.arange(0, 4)
+    jj = tl.arange(0, 4)
+    qoff = (c[:, None] * 4 + jj[None, :])[None, :, :]  # [1, 4c, 4jj] quant word
+    xoff = tl.multiple_of((c // 2) * 32 + (c % 2) * 4, 4)[None, :, None] + jj[None, None, :]  # x word, t = 0
+    hoff = ((c // 2) * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]  # [1, 4c, 8] c's half's bytes
+    w0, w1, w2, w3 = _split4(tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qoff))  # [BN, 4c]
+    sc8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + hoff)  # [BN, 4c, 8] u8
+    ev, od = tl.split(tl.reshape(sc8, (BN, 4, 4, 2)))  # [BN, 4c, 4t]: bytes 2t / 2t + 1 of c's half
+    s0, s2, s1, s3 = _split4(tl.where((c % 2 == 1)[None, :, None], od, ev).to(tl.int32))
+    ones = tl.full([1, 4], 0x01010101, tl.int32)
+    ii = tl.zeros([BN, 4], dtype=tl.int32)
+    mm = tl.zeros([BN, 4], dtype=tl.int32)
+    for t in tl.static_range(4):
+        q0 = (w0 >> (2 * t)) & 0x03030303
+        q1 = (w1 >> (2 * t)) & 0x03030303
+        q2 = (w2 >> (2 * t)) & 0x03030303
+        q3 = (w3 >> (2 * t)) & 0x03030303
+        xt = xo + kt * 64 + 8 * t + xoff
+        v = _dot16(q0, q1, q2, q3, xt, DP4A)
+        xs = _dot16(ones, ones, ones, ones, xt, DP4A)  # [1, 4c] sum of the 16 v
+        if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
+            v = v * 254 + _dot16(q0, q1, q2, q3, xt + xplane, DP4A)
+            xs = xs * 254 + _dot16(ones, ones, ones, ones, xt + xplane, DP4A)
+        s8 = _pick(t, s0, s1, s2, s3)
+        ii += (s8 & 15) * v
+        mm += (s8 >> 4) * xs
+    return ii, mm
+
+
+@triton.jit
 def _q2k_load(xo, xplane, xd, qw, sc, dm, wrow, kt, nb, TERMS: tl.constexpr):
     """Super-block kt of the down kernel: x words of plane 1 and 2 [4c, 4t, 4jj] (plane 1 twice for TERMS 1),
     the x scale, quant words [BN, 4c, 4jj], scale bytes [BN, 4c, 4t] int32, d and dmin [BN] f32 (index
@@ -762,27 +831,17 @@ def _q2k_q8k_down_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     wrow = e * D + tl.minimum(n, D - 1)
     nb = F // 256
-    c = tl.arange(0, 4)
-    t = tl.arange(0, 4)
-    jj = tl.arange(0, 4)
-    xcol = (
-        (c // 2)[:, None, None] * 32 + t[None, :, None] * 8 + (c % 2)[:, None, None] * 4 + jj[None, None, :]
-    )
-    sidx = (c // 2)[:, None] * 8 + 2 * t[None, :] + (c % 2)[:, None]  # [4c, 4t]
-    qidx = c[:, None] * 4 + jj[None, :]  # [4c, 4jj]
-    ones = tl.full([4, 4, 4], 0x01010101, tl.int32)
     xo = xw_ptr + pair.to(tl.int64) * (F // 4)
     lo = pid_s * kt_per_split
     hi = tl.minimum(lo + kt_per_split, nb)
-    acc = tl.zeros(
-        [BN, 4, 4], dtype=tl.float32
-    )  # per (row, group of 16) partial sums, reduced after the loop
     xd = dx_ptr + pair.to(tl.int64) * nb
     if PREFETCH:  # block lo's bytes now; each step loads block kt + 1 before it computes block kt
+        t = tl.arange(0, 4)
+        ones = tl.full([4, 4, 4], 0x01010101, tl.int32)
+        acc = tl.zeros([BN, 4, 4], dtype=tl.float32)  # per (row, group of 16) partial sums
         kn = tl.minimum(lo, nb - 1)
         xw_n, xw2_n, dx_n, w_n, s8_n, d_n, m_n = _q2k_load(xo, xplane, xd, qw, sc, dm, wrow, kn, nb, TERMS)
-    for kt in range(lo, hi):
-        if PREFETCH:
+        for kt in range(lo, hi):
             xw, xw2, dx, w, s8, d, dmin = xw_n, xw2_n, dx_n, w_n, s8_n, d_n, m_n
             kn = tl.minimum(kt + 1, hi - 1)  # the last step reloads its own block (unused)
             xw_n, xw2_n, dx_n, w_n, s8_n, d_n, m_n = _q2k_load(
@@ -796,27 +855,18 @@ def _q2k_q8k_down_kernel(
                 xv = _dot4(ones, xw2, xv * 254, DP4A)
             qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
             xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
-            d = d[:, None, None]
-            dmin = dmin[:, None, None]
-        else:  # the session-3 op order (the default's SASS unchanged): the scale loads after the dots
-            xw = tl.load(xo + kt * 64 + xcol)  # [4c, 4t, 4jj] int32: 4 int8 x each
+            sv = ((s8 & 15) * qx).to(tl.float32)
+            mv = ((s8 >> 4) * xs[None, :, :]).to(tl.float32)
+            acc += (d[:, None, None] * dx) * sv - (dmin[:, None, None] * dx) * mv
+    else:  # one [BN, 4c] pair of integer sums per super-block (_q2k_block_sums), scaled once
+        acc = tl.zeros([BN, 4], dtype=tl.float32)  # per (row, 16-byte group) partial sums
+        for kt in range(lo, hi):
+            ii, mm = _q2k_block_sums(xo, xplane, qw, sc, wrow, kt, nb, BN, TERMS, DP4A)
             dx = tl.load(xd + kt)
-            w = tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qidx[None, :, :])  # [BN, 4c, 4jj]
-            q = (w[:, :, None, :] >> (2 * t)[None, None, :, None]) & 0x03030303  # [BN, 4c, 4t, 4jj]
-            qv = _dot4(q, xw[None, :, :, :], 0, DP4A)  # [BN, 4c, 4t, 4jj] sums of 4 q x
-            xv = _dot4(ones, xw, 0, DP4A)  # [4c, 4t, 4jj] sums of 4 x
-            if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
-                xw2 = tl.load(xo + xplane + kt * 64 + xcol)
-                qv = _dot4(q, xw2[None, :, :, :], qv * 254, DP4A)
-                xv = _dot4(ones, xw2, xv * 254, DP4A)
-            qx = tl.sum(qv, axis=3)  # [BN, 4c, 4t] sum of 16 q v
-            xs = tl.sum(xv, axis=2)  # [4c, 4t] sum of 16 v
-            s8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + sidx[None, :, :]).to(tl.int32)
-            d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None, None]
-            dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None, None]
-        acc += (d * dx) * ((s8 & 15) * qx).to(tl.float32) - (dmin * dx) * ((s8 >> 4) * xs[None, :, :]).to(
-            tl.float32
-        )
+            d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None]
+            dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None]
+            acc += (d * dx) * ii.to(tl.float32) - (dmin * dx) * mm.to(tl.float32)
+        acc = acc[:, :, None]  # [BN, 4, 1]: reduced below as the prefetch path's [BN, 4, 4]
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     if FIXUP:  # the k slots and S splits of row b are the "splits" of _split_fixup: [S k, B, D] partials
         B = tl.num_programs(1) // n_slots
@@ -862,6 +912,12 @@ def _q2k_q8k_down_kernel(
 #     variants apply); down has 4x the programs, so prefetch matters less there.
 # Expected (not measured): gate+up 44 -> ~20-25 us if the L1 estimate holds (then issue-bound), down 26 ->
 # ~15-20 us; ~1 ms per token of the ~3 ms. tools/gpu/bench_moe.py --quick picks per B.
+# Session 8 (sm_90 compile only, not yet timed): both default loops are barrier-free now. gate+up: the
+# sub-block words loaded as bytes in the grid indices' shape (_iq2_load; prmt 256 -> 245 instructions,
+# 64 -> 56 registers, 8 -> 0 BAR; prefetch 116 -> 71 registers); down: one [BN, 4c] pair of integer sums
+# per super-block, shift by shift in the quant words' layout (_q2k_block_sums; 475 -> 393 instructions,
+# 80 -> 56 registers, 6 -> 0 BAR; equal to the old op order up to f32 rounding). The loads of step kt + 1
+# no longer wait behind step kt's barriers.
 
 
 def iq2_tables(device: torch.device, grid16: bool = False, prmt: bool = False):

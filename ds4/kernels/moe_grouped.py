@@ -46,7 +46,10 @@ from .matvec import check_weight, prep_x, use_triton
 from .moe import (
     GATE_UP,
     _dot4,
+    _dot16,
+    _pick,
     _signed_words,
+    _split4,
     group_by_expert,
     iq2_tables,
     quantize_q8k,
@@ -255,37 +258,6 @@ def _gate_up_grouped_kernel(
         _gu_store(out_ptr, p2, g2, u2, n, F, clamp, cnt > 2, CLAMP)
     if PT > 3:
         _gu_store(out_ptr, p3, g3, u3, n, F, clamp, cnt > 3, CLAMP)
-
-
-@triton.jit
-def _split4(v):
-    """[..., 4] -> 4 tensors [...]: the last dim's entries in the order 0, 2, 1, 3 (any fixed order serves:
-    weights and activations are split alike). Free in registers when the last dim is within a thread."""
-    even, odd = tl.split(tl.reshape(v, v.shape[:-1] + (2, 2)))
-    a, b = tl.split(even)
-    c, d = tl.split(odd)
-    return a, b, c, d
-
-
-@triton.jit
-def _pick(t: tl.constexpr, a, b, c, d):
-    """The t-th of a, b, c, d (t a compile-time constant)."""
-    if t == 0:
-        return a
-    elif t == 1:
-        return b
-    elif t == 2:
-        return c
-    else:
-        return d
-
-
-@triton.jit
-def _dot16(q0, q1, q2, q3, xo, DP4A: tl.constexpr):
-    """[BN, 4c] int32: the 4 quant words q0..q3 [BN, 4c] dotted with the 4 x words at xo [1, 4c, 4jj] (split
-    alike), one dp4a chain: sum of 16 q v."""
-    x0, x1, x2, x3 = _split4(tl.load(xo))
-    return _dot4(q3, x3, _dot4(q2, x2, _dot4(q1, x1, _dot4(q0, x0, 0, DP4A), DP4A), DP4A), DP4A)
 
 
 @triton.jit
