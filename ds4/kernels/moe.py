@@ -723,11 +723,25 @@ def _pick(t: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
-def _dot16(q0, q1, q2, q3, xo, DP4A: tl.constexpr):
-    """[BN, 4c] int32: the 4 quant words q0..q3 [BN, 4c] dotted with the 4 x words at xo [1, 4c, 4jj] (split
-    alike), one dp4a chain: sum of 16 q v."""
-    x0, x1, x2, x3 = _split4(tl.load(xo))
+def _dot16x(q0, q1, q2, q3, x0, x1, x2, x3, DP4A: tl.constexpr):
+    """The 4 quant words q0..q3 [BN, 4c] dotted with the 4 x words x0..x3 [1, 4c], one dp4a chain: [BN, 4c]
+    int32 sums of 16 q v."""
     return _dot4(q3, x3, _dot4(q2, x2, _dot4(q1, x1, _dot4(q0, x0, 0, DP4A), DP4A), DP4A), DP4A)
+
+
+@triton.jit
+def _dot16(q0, q1, q2, q3, xo, DP4A: tl.constexpr):
+    """_dot16x with the x words at xo [1, 4c, 4jj] (split as the quant words)."""
+    x0, x1, x2, x3 = _split4(tl.load(xo))
+    return _dot16x(q0, q1, q2, q3, x0, x1, x2, x3, DP4A)
+
+
+@triton.jit
+def _q2k_shift_sums(q0, q1, q2, q3, xt, ones, DP4A: tl.constexpr):
+    """(sum_16 q v [BN, 4c], sum_16 v [1, 4c]) of one shift, the x words at xt loaded once for both."""
+    x0, x1, x2, x3 = _split4(tl.load(xt))
+    qv = _dot16x(q0, q1, q2, q3, x0, x1, x2, x3, DP4A)
+    return qv, _dot16x(ones, ones, ones, ones, x0, x1, x2, x3, DP4A)
 
 
 @triton.jit
@@ -757,11 +771,11 @@ def _q2k_block_sums(
         q2 = (w2 >> (2 * t)) & 0x03030303
         q3 = (w3 >> (2 * t)) & 0x03030303
         xt = xo + kt * 64 + 8 * t + xoff
-        v = _dot16(q0, q1, q2, q3, xt, DP4A)
-        xs = _dot16(ones, ones, ones, ones, xt, DP4A)  # [1, 4c] sum of the 16 v
+        v, xs = _q2k_shift_sums(q0, q1, q2, q3, xt, ones, DP4A)
         if TERMS == 2:  # the same quant words on the residual plane: v = 254 q1 + q2
-            v = v * 254 + _dot16(q0, q1, q2, q3, xt + xplane, DP4A)
-            xs = xs * 254 + _dot16(ones, ones, ones, ones, xt + xplane, DP4A)
+            v2, xs2 = _q2k_shift_sums(q0, q1, q2, q3, xt + xplane, ones, DP4A)
+            v = v * 254 + v2
+            xs = xs * 254 + xs2
         s8 = _pick(t, s0, s1, s2, s3)
         ii += (s8 & 15) * v
         mm += (s8 >> 4) * xs
