@@ -125,6 +125,20 @@ def test_attend_decode_bf16x3(positions, mode: str, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("positions", TINY_POS[:4])
+def test_attend_decode_dense_key_block(positions, monkeypatch) -> None:
+    """ATTEND_BN_DENSE: the layers reading every compressed row (no index) take their own keys per block;
+    16 there and 32 elsewhere, both within the bf16x3 bound."""
+    monkeypatch.setattr(attend, "ATTEND_PREC", "bf16x3")
+    monkeypatch.setattr(attend, "ATTEND_BN", 32)
+    monkeypatch.setattr(attend, "ATTEND_BN_DENSE", 16)
+    assert (attend._key_block(dense=True), attend._key_block(dense=False)) == (16, 32)
+    for mode in ("all", "topk"):
+        args = _case(3, 4, 64, 8, 5, 52 if mode == "all" else 20, 6, 4, 8, list(positions),
+                     seed=7 + sum(positions), comp=True, idx=mode == "topk")  # fmt: skip
+        assert _max_rel(_run(args), _oracle(*args)) < BF16X3_TOL, mode
+
+
+@pytest.mark.parametrize("positions", TINY_POS[:4])
 @pytest.mark.parametrize("mode", ["topk", "all", "none"])
 @pytest.mark.parametrize("programs", [1, 264])  # one split (merged alone) / many splits per head block
 def test_attend_decode_fused_merge(positions, mode: str, programs: int, monkeypatch) -> None:

@@ -39,6 +39,10 @@ from .matvec import _split_bf16, _split_counters
 ATTEND_BH = 16
 ATTEND_BN = 32  # bf16x3 at B = 32, 8k (bench_attend.py, H200): ratio-4 layer 154 us vs 231 at 16; B = 1 equal
 ATTEND_BN_FMA = 16  # the FMA dots ("ieee"): at 32 keys they spill (808 B per thread on sm_90)
+# bf16x3 keys per block where every compressed row is read (no index: the ratio-128 layers): bench_attend.py
+# (session 8, B = 32, 8k) timed such a layer at 103.1 us with 16 keys vs 143.5 with 32 (ratio-4: 231.6 vs
+# 156.7), B = 1 launch-bound there; not yet timed in the model: ATTEND_BN until then. Env DS4_ATTEND_BN_DENSE.
+ATTEND_BN_DENSE = int(os.environ.get("DS4_ATTEND_BN_DENSE", str(ATTEND_BN)))
 ATTEND_PROGRAMS = 264
 ATTEND_WARPS = 8
 INDEX_BC = 64
@@ -64,8 +68,8 @@ INDEX_BF16 = os.environ.get("DS4_INDEX_BF16", "1") != "0"
 ATTEND_PREC = os.environ.get("DS4_ATTEND_PREC", "bf16x3")
 # The merge of the key splits done by the last split program of each (row, head block) (an atomic counter
 # per tile, as the Q8_0 kernels' split-K fixup) instead of a second launch: one launch less per layer (the
-# merge kernel took 0.32 ms of a B = 1 step's kernel time, ~7 us a call). Not yet timed; env
-# DS4_ATTEND_FUSED_MERGE=1: on.
+# merge kernel took 0.32 ms of a B = 1 step's kernel time, ~7 us a call). Slower on the H200: whole model
+# 93.90 -> 79.93 tok/s at 4k (ab_decode.py, session 8), so off; env DS4_ATTEND_FUSED_MERGE=1: on.
 FUSED_MERGE = os.environ.get("DS4_ATTEND_FUSED_MERGE", "0") == "1"
 
 # =========================================================================================================
@@ -282,14 +286,18 @@ def _attend_merge(
     _merge_heads(pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, h < H, pos, NS, H, D, R, 1, BP)
 
 
-def _key_block() -> int:
-    """Keys per inner block of _attend_partial at the current ATTEND_PREC."""
-    return ATTEND_BN if ATTEND_PREC == "bf16x3" else ATTEND_BN_FMA
+def _key_block(dense: bool = False) -> int:
+    """Keys per inner block of _attend_partial at the current ATTEND_PREC; dense: all compressed rows read
+    (no index)."""
+    if ATTEND_PREC != "bf16x3":
+        return ATTEND_BN_FMA
+    return ATTEND_BN_DENSE if dense else ATTEND_BN
 
 
-def _splits(B: int, H: int, n: int) -> tuple[int, int]:
-    """(NS, key blocks per split): enough programs to fill the GPU when B is small, never empty splits."""
-    blocks = max(1, triton.cdiv(n, _key_block()))
+def _splits(B: int, H: int, n: int, bn: int) -> tuple[int, int]:
+    """(NS, key blocks per split) for n keys in blocks of bn: enough programs to fill the GPU when B is
+    small, never empty splits."""
+    blocks = max(1, triton.cdiv(n, bn))
     per_row = B * triton.cdiv(H, ATTEND_BH)
     want = max(1, min(blocks, triton.cdiv(ATTEND_PROGRAMS, per_row)))
     per_split = triton.cdiv(blocks, want)
@@ -301,7 +309,8 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
     W = raw.shape[1]
     cap = comp.shape[1] if comp is not None else 0
     NC = (comp_idx.shape[1] if comp_idx is not None else cap) if comp is not None else 0
-    NS, per_split = _splits(B, H, W + NC)
+    bn = _key_block(dense=comp is not None and comp_idx is None)
+    NS, per_split = _splits(B, H, W + NC, bn)
     dev = q.device
     pm = torch.empty(B, NS, H, device=dev, dtype=torch.float32)
     pl = torch.empty(B, NS, H, device=dev, dtype=torch.float32)
@@ -318,7 +327,7 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
         comp_idx.contiguous() if comp_idx is not None else slot, slot.contiguous(), pos,
         pm, pl, po, sinks, inv_freq, out, pm if cnt is None else cnt,
         H, D, W, cap, NC, max(int(ratio), 1), float(scale), per_split, 2 * inv_freq.numel(),
-        HAS_COMP=comp is not None, HAS_IDX=comp_idx is not None, BH=ATTEND_BH, BN=_key_block(),
+        HAS_COMP=comp is not None, HAS_IDX=comp_idx is not None, BH=ATTEND_BH, BN=bn,
         BD=triton.next_power_of_2(D), PREC=ATTEND_PREC, MERGE=cnt is not None,
         BP=triton.next_power_of_2(D // 2), num_warps=ATTEND_WARPS, launch_pdl=PDL,
     )  # fmt: skip

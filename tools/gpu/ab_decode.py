@@ -18,6 +18,7 @@ Variants (each the other side of an engine default; env names in brackets):
   half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
   attend fma      attend.ATTEND_PREC "ieee" (DS4_ATTEND_PREC=ieee)  the FMA attention dots (bf16x3: default)
   attend fused    attend.FUSED_MERGE        (DS4_ATTEND_FUSED_MERGE=1) the split merge in the partial kernel
+  attend dense16  attend.ATTEND_BN_DENSE    (DS4_ATTEND_BN_DENSE=16) 16 keys per block in the ratio-128 layers
   moe no prmt     moe.GATE_UP.prmt off      (DS4_MOE_PRMT=0) gate/up: the 8-byte grid rows + sign math
   moe grid16      moe.GATE_UP.grid16        (DS4_MOE_PRMT=0 DS4_MOE_GRID16=1) gate/up: 16-bit grid codes
   moe prmt math   moe.GATE_UP.sign_math     (DS4_MOE_SIGN_MATH=1) gate/up prmt: sign nibbles computed
@@ -53,6 +54,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "indexer topk": {(layer, "INDEXER_TOPK"): True},
     "attend fma": {(attend, "ATTEND_PREC"): "ieee"},
     "attend fused": {(attend, "FUSED_MERGE"): True},
+    "attend dense16": {(attend, "ATTEND_BN_DENSE"): 16},
     "moe no prmt": {(moe, "GATE_UP"): replace(moe.GATE_UP, prmt=False, sign_math=True)},
     "moe grid16": {(moe, "GATE_UP"): replace(moe.GATE_UP, prmt=False, sign_math=True, grid16=True)},
     "moe prmt math": {(moe, "GATE_UP"): replace(moe.GATE_UP, sign_math=True)},

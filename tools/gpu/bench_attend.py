@@ -62,7 +62,7 @@ def case(B: int, ratio: int, seed: int):
 def run_config(cfg, args) -> tuple[float, float]:
     for name, value in zip(SWITCHES, cfg, strict=True):
         setattr(attend, name, value)
-    attend.ATTEND_BN_FMA = attend.ATTEND_BN
+    attend.ATTEND_BN_FMA = attend.ATTEND_BN_DENSE = attend.ATTEND_BN  # the config's keys per block everywhere
     want = attend.attend_decode_ref(*args)
     got = attend.attend_decode(*args)
     err = float((got - want).abs().max() / want.abs().max())
@@ -74,7 +74,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_attend: needs a CUDA GPU", file=sys.stderr)
         return 2
-    default = tuple(getattr(attend, name) for name in (*SWITCHES, "ATTEND_BN_FMA"))
+    default = tuple(getattr(attend, name) for name in (*SWITCHES, "ATTEND_BN_FMA", "ATTEND_BN_DENSE"))
     print(f"default {default}; us per call (partial + merge), error vs the f32 twin / max |out|")
     for B in (1, 32):
         for ratio in (4, 128):
@@ -86,7 +86,7 @@ def main() -> int:
                     print(f"  B {B:2d} ratio {ratio:3d}  {name}: {us:8.1f} us  err {err:.1e}", flush=True)
                 except Exception as e:  # report every configuration
                     print(f"  B {B:2d} ratio {ratio:3d}  {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
-    for name, value in zip((*SWITCHES, "ATTEND_BN_FMA"), default, strict=True):
+    for name, value in zip((*SWITCHES, "ATTEND_BN_FMA", "ATTEND_BN_DENSE"), default, strict=True):
         setattr(attend, name, value)
     return 0
 

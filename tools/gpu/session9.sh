@@ -5,7 +5,8 @@
 #           gate+up 37.7 us, down 25.3 us per B = 1 layer call) and the grouped gate/up instruction cuts
 #           (GroupedConfig.chain / pos_reg, off) and prmt with computed sign nibbles (off): their tests,
 #           bench_moe.py --quick, bench_moe_grouped.py, a B = 32 step under each grouped switch (session 8:
-#           70.93 ms); flip by the step times.
+#           70.93 ms), and one with 16 keys per block in the ratio-128 layers' attention
+#           (attend.ATTEND_BN_DENSE); flip by the step times.
 #   part b: the shipped defaults as shipped (sweep 2k -> 8k: session 8 95.40 / 94.70 tok/s; decode at 64k:
 #           85.3), where an 8k prefill's time goes (profile_regions.py), the B = 16 batched check with
 #           q8_rows bf16x2, now printing where its worst difference sits (one outlier row: a rounding point
@@ -17,7 +18,7 @@ if [ "$1" = a ]; then
     tests/test_kernels_moe.py tests/test_cuda_backend.py -k "not bench"
   TAIL=30 run bench_moe 60 python3 tools/gpu/bench_moe.py --quick
   TAIL=40 run bench_grouped 60 python3 tools/gpu/bench_moe_grouped.py
-  for v in "" DS4_MOE_GROUPED_CHAIN=1 DS4_MOE_GROUPED_POS_REG=1 "DS4_MOE_GROUPED_CHAIN=1 DS4_MOE_GROUPED_POS_REG=1"; do
+  for v in "" DS4_MOE_GROUPED_CHAIN=1 "DS4_MOE_GROUPED_CHAIN=1 DS4_MOE_GROUPED_POS_REG=1" DS4_ATTEND_BN_DENSE=16; do
     echo "--- B = 32 step with: ${v:-the defaults}"
     env $v timeout 60 python3 tools/gpu/batch_check.py --batches 32 --skip-check --repeats 2 --plain 2>&1 \
       | grep -E "^ *32 "
@@ -29,5 +30,5 @@ else
   TAIL=60 run profile 150 python3 tools/gpu/profile_regions.py 8192
   DS4_Q8_ROWS_MODE=bf16x2 TAIL=5 run check16_bf16x2 70 python3 tools/gpu/batch_check.py --check-batches 16 \
     --check-steps 4 --skip-time
-  TAIL=6 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe prmt math"
+  TAIL=6 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe prmt math,attend dense16"
 fi
