@@ -745,23 +745,33 @@ def _q2k_shift_sums(q0, q1, q2, q3, xt, ones, DP4A: tl.constexpr):
 
 
 @triton.jit
+def _q2k_block(qw, sc, wrow, kt, nb, BN: tl.constexpr):
+    """Q2_K super-block kt of rows wrow [BN] in one layout: quant words w0..w3 [BN, 4c] (jj split as
+    _split4) and scale bytes s0..s3 [BN, 4c] int32 of shifts t = 0..3 (index layout: _q2k_q8k_down_kernel).
+    The scale bytes are read as their group half's 8 contiguous bytes and picked by c's parity: a
+    [BN, 4c, 4t] load of the stride-2 bytes took a layout of its own, and the sums using them a
+    shared-memory conversion per shift (barriers in every k step on sm_90)."""
+    c = tl.arange(0, 4)
+    qoff = (c[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]  # [1, 4c, 4jj] quant word
+    hoff = ((c // 2) * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]  # [1, 4c, 8] c's half's bytes
+    w0, w1, w2, w3 = _split4(tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qoff))
+    sc8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + hoff)  # [BN, 4c, 8] u8
+    ev, od = tl.split(tl.reshape(sc8, (BN, 4, 4, 2)))  # [BN, 4c, 4t]: bytes 2t / 2t + 1 of c's half
+    s0, s2, s1, s3 = _split4(tl.where((c % 2 == 1)[None, :, None], od, ev).to(tl.int32))
+    return w0, w1, w2, w3, s0, s1, s2, s3
+
+
+@triton.jit
 def _q2k_block_sums(
     xo, xplane, qw, sc, wrow, kt, nb, BN: tl.constexpr, TERMS: tl.constexpr, DP4A: tl.constexpr
 ):
     """(I, M) [BN, 4c] int32 of Q2_K super-block kt for one quantized x row (words at xo, planes xplane
     apart): I = sum_t sc sum_16 q v and M = sum_t m sum_16 v per 16-byte group c (index layout:
-    _q2k_q8k_down_kernel), shift by shift in the quant words' layout, the scale bytes read as their group
-    half's 8 contiguous bytes and picked by parity to share it (as moe_grouped's down kernel): no layout
-    conversions, so no barriers in the k loop. |I| <= 4 * 15 * 16 * 3 * 32385 < 2^31."""
+    _q2k_q8k_down_kernel), shift by shift in _q2k_block's layout: no layout conversions, so no barriers in
+    the k loop. |I| <= 4 * 15 * 16 * 3 * 32385 < 2^31."""
     c = tl.arange(0, 4)
-    jj = tl.arange(0, 4)
-    qoff = (c[:, None] * 4 + jj[None, :])[None, :, :]  # [1, 4c, 4jj] quant word
-    xoff = tl.multiple_of((c // 2) * 32 + (c % 2) * 4, 4)[None, :, None] + jj[None, None, :]  # x word, t = 0
-    hoff = ((c // 2) * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]  # [1, 4c, 8] c's half's bytes
-    w0, w1, w2, w3 = _split4(tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qoff))  # [BN, 4c]
-    sc8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + hoff)  # [BN, 4c, 8] u8
-    ev, od = tl.split(tl.reshape(sc8, (BN, 4, 4, 2)))  # [BN, 4c, 4t]: bytes 2t / 2t + 1 of c's half
-    s0, s2, s1, s3 = _split4(tl.where((c % 2 == 1)[None, :, None], od, ev).to(tl.int32))
+    xoff = tl.multiple_of((c // 2) * 32 + (c % 2) * 4, 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    w0, w1, w2, w3, s0, s1, s2, s3 = _q2k_block(qw, sc, wrow, kt, nb, BN)  # [BN, 4c] each
     ones = tl.full([1, 4], 0x01010101, tl.int32)
     ii = tl.zeros([BN, 4], dtype=tl.int32)
     mm = tl.zeros([BN, 4], dtype=tl.int32)

@@ -48,6 +48,7 @@ from .moe import (
     _dot4,
     _dot16,
     _pick,
+    _q2k_block,
     _signed_words,
     _split4,
     group_by_expert,
@@ -319,13 +320,10 @@ def _down_grouped_kernel(
     nb = F // 256
     c = tl.arange(0, 4)
     jj = tl.arange(0, 4)
-    qoff = (c[:, None] * 4 + jj[None, :])[None, :, :]  # [1, 4c, 4jj] quant word
     cx = tl.multiple_of((c // 2) * 32 + (c % 2) * 4, 4)  # 4 contiguous x words per c: one 16-byte load
     xoff = (cx[:, None] + jj[None, :])[None, :, :]  # [1, 4c, 4jj] x word at t = 0
     xr = tl.multiple_of(F // 4, 64)  # x words per pair row
     soff = (c // 2) * 8 + c % 2  # [4c] scale byte / group at t = 0 (+ 2 t)
-    hoff = ((c // 2) * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]  # [1, 4c, 8]: c's half's bytes
-    codd = (c % 2 == 1)[None, :, None]
     p0 = _pair_index(order_ptr, p, 0, n_pairs)
     p1 = _pair_index(order_ptr, p, 1, n_pairs)
     p2 = _pair_index(order_ptr, p, 2, n_pairs)
@@ -343,14 +341,9 @@ def _down_grouped_kernel(
     a2 = tl.zeros([BN, 4], dtype=tl.float32)
     a3 = tl.zeros([BN, 4], dtype=tl.float32)
     for kt in range(0, tl.where(live, nb, 0)):
-        w0, w1, w2, w3 = _split4(tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qoff))  # [BN, 4c]
-        # scale bytes: c's 8 contiguous ones loaded, bytes 2t / 2t + 1 picked by c's parity, so that they
-        # take the quant words' layout (a [BN, 4c, 4t] load of the stride-2 bytes took one of its own, and
-        # the sums a shared-memory conversion per shift: 8 barriers per k step on sm_90; without: bn 64,
-        # 2 pairs 491 -> 468 loop instructions, 80 -> 72 registers)
-        sc8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + hoff)  # [BN, 4c, 8] u8
-        ev, od = tl.split(tl.reshape(sc8, (BN, 4, 4, 2)))  # [BN, 4c, 4t]: bytes 2t / 2t + 1 of c's half
-        s0, s2, s1, s3 = _split4(tl.where(codd, od, ev).to(tl.int32))
+        # quant words and scale bytes [BN, 4c] in one layout (moe._q2k_block; sm_90 bn 64, 2 pairs: 491 ->
+        # 468 loop instructions, 80 -> 72 registers, no barriers, against the stride-2 scale-byte load)
+        w0, w1, w2, w3, s0, s1, s2, s3 = _q2k_block(qw, sc, wrow, kt, nb, BN)
         d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None]
         dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None]
         kx = kt * 64  # x words / group sums of super-block kt
