@@ -401,7 +401,7 @@ class GroupedConfig:
     (1..MAX_PT; gate/up, down), warps; activation planes and dp4a as moe.MoeConfig."""
 
     bn_gu: int = 16
-    bn_dn: int = 64
+    bn_dn: int = 128
     pairs: int = 4
     pairs_dn: int = 2
     warps: int = 4
@@ -428,14 +428,16 @@ class GroupedConfig:
 # bn 64, 2 pairs per program (B = 32 423.9 us at bn 32 / 4 pairs -> 414.9; pair kernel 494.8). The pair
 # kernels' decode variants (session 7): prmt gate/up B = 32 736.7 -> 724.6 us, a whole B = 32 step
 # (tools/gpu/batch_check.py, 8k) 71.37 -> 70.93 ms: on (bit-identical); grid16 763.2 us: off. prmt with
-# computed sign nibbles (sign_math): not yet timed, off. Env DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_SIGN_MATH
-# (default: on without prmt, off with it), DS4_MOE_GROUPED_GRID16=1 (with prmt off). chain / pos_reg
+# computed sign nibbles (sign_math). Session 9 (barrier-free loads; same bench, per layer): prmt with
+# computed sign nibbles B = 8 248.7 -> 225.9 us, B = 32 726.2 -> 665.7 us: on; down bn 128 / 2 pairs B = 8
+# 113.2 -> 104.2 us, B = 32 343.7 -> 314.0 us (the pair kernel: 101.1 / 348.0): bn 128. chain / pos_reg
 # (session 8, sm_90 k loop of gate/up bn 16, 4 pairs, prmt: 454 instructions / 64 registers; chain 410 / 72;
-# both 389 / 96: fewer instructions, fewer resident programs): not yet timed, off; env
+# both 389 / 96): session 9, B = 32 727.1 / 769.4 / 789.0 us against 726.2: no gain, off. Env
+# DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_SIGN_MATH=0, DS4_MOE_GROUPED_GRID16=1 (with prmt off),
 # DS4_MOE_GROUPED_CHAIN=1, DS4_MOE_GROUPED_POS_REG=1.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 CONFIG = GroupedConfig(
-    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0" if _PRMT else "1") == "1",
+    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "1") == "1",
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=_PRMT,
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",

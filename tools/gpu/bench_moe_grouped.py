@@ -64,8 +64,9 @@ GU_VARIANTS = [
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
     GroupedConfig(bn_dn=32, pairs_dn=4),
-    GroupedConfig(pairs_dn=4),
+    GroupedConfig(bn_dn=64, pairs_dn=4),
     GroupedConfig(bn_dn=128, pairs_dn=4),
+    GroupedConfig(bn_dn=64),  # session 8's default (session 9: bn 128)
     GroupedConfig(bn_dn=128),
 ]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
