@@ -78,6 +78,15 @@ def test_hc_pre_fused_finish_tiles(monkeypatch, bd: int, d: int, with_norm: bool
     _check_hc_pre(2, 4, d, torch.float32, with_norm, seed=d + bd)
 
 
+@pytest.mark.parametrize(("B", "S", "d"), [(70, 3, 200), (64, 4, 64)], ids=["partial-tiles", "exact"])
+def test_hc_pre_fused_row_tiles(monkeypatch, B: int, S: int, d: int) -> None:
+    """The prefill mixing projection (_hc_mix_rows, from HC_ROWS_MIN rows): partial row tiles and a partial
+    last K split (70 rows = 3 tiles of 32; K = 600 in 2 splits of 320), f16 fn."""
+    monkeypatch.setattr(fused, "HC_ROWS_MIN", 64)
+    _check_hc_pre(B, S, d, torch.float16, True, seed=B + d)
+    _check_hc_pre(B, S, d, torch.float32, False, seed=B + d + 1)
+
+
 def test_hc_pre_twin_matches_reference() -> None:
     X, fn, scale, base = _hc_inputs(2, 4, 48, torch.float32, 7)
     got = ref.hc_pre_fused(X, fn, scale, base, 20, EPS, EPS)

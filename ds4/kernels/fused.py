@@ -6,7 +6,8 @@ H heads, D = head_dim, R = n_rot (RoPE dims, the tail of each row), P = R / 2 ad
 Each op mirrors CPU reference math (ds4.model.hc, norm, rope, quantsim, moe) and has a plain-torch twin in
 ds4/kernels/ref.py (section "Fused decode ops"), which is also the CPU path of the dispatchers below:
   hc_pre_fused     RMSNorm(no weight) . fn projection . sigmoid pre/post . Sinkhorn . weighted stream sum
-                   (+ optional sublayer RMSNorm), 2 launches (split-K partial dots, then one program per row)
+                   (+ optional sublayer RMSNorm), 2 launches (split-K partial dots, per row or, from
+                   HC_ROWS_MIN rows, per row tile; then one program per row)
   hc_post_fused    X'[dst] = post[dst] * f + sum_src comb[src, dst] * X[src], 1 launch
   q_norm_rope      per-head RMSNorm(no weight) + RoPE on the tail, 1 launch
   kv_norm_rope_fp8 RMSNorm(weight) + RoPE + FP8 E4M3 round trip of the nope dims (64-blocks), 1 launch
@@ -43,6 +44,18 @@ HC_CHUNK = 128  # K elements per program of the split-K mixing projection (128 p
 # DS4_HC_FINISH_WARPS (1024 / 4: the old two-pass chunks), for whole-model A/B runs.
 HC_FINISH_BD = int(os.environ.get("DS4_HC_FINISH_BD", "4096"))
 HC_FINISH_WARPS = int(os.environ.get("DS4_HC_FINISH_WARPS", "0"))
+# Rows (B) from which the mixing projection runs as row tiles (_hc_mix_rows: each program HC_ROWS_BT rows
+# of one K split, fn's tile loaded once per tile; the per-row _hc_mix_partial reloads it for every row and
+# took 145 ms of an 8k prefill's 2.2 s on the H200, session 9 profile). 0: never. Env DS4_HC_ROWS_MIN.
+# The tile's dots: HC_ROWS_PREC "tf32x3" (three TF32 tensor-core products, about f32 accuracy: see
+# ds4.kernels.gemm) or "ieee" (FMA). H200, hc_pre_fused at 8192 rows (tools/gpu/bench_prefill_f32.py, session
+# 9; both launches, GB/s of X): per row 2,320 us (231 GB/s); row tiles ieee 32 rows 1,646; tf32x3 16 / 32 / 64
+# rows 1,092 / 1,062 / 705 us (761 GB/s); all within 9e-7 of the per-row result.
+HC_ROWS_MIN = int(os.environ.get("DS4_HC_ROWS_MIN", "64"))
+HC_ROWS_BT = 64  # rows per program of _hc_mix_rows
+HC_ROWS_BK = 64  # K elements per step of its loop
+HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs
+HC_ROWS_PREC = os.environ.get("DS4_HC_ROWS_PREC", "tf32x3")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -62,6 +75,33 @@ def _hc_mix_partial(x_ptr, fn_ptr, pmix_ptr, pss_ptr, K, M, NS, BM: tl.constexpr
     w = tl.load(fn_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & km[None, :], other=0.0)
     tl.store(pmix_ptr + (b * NS + s) * BM + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1))
     tl.store(pss_ptr + b * NS + s, tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def _hc_mix_rows(
+    x_ptr, fn_ptr, pmix_ptr, pss_ptr, B, K, M, NS, KS,
+    BT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Program (row tile t, split s): for the BT rows b of tile t and ks = [s KS, (s + 1) KS) within K,
+    pmix[b, s, :M] = fn[:, ks] . x[b, ks] and pss[b, s] = sum x[b, ks]^2 (dots at HC_ROWS_PREC)."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    s = tl.program_id(1)
+    rm = rows < B
+    m = tl.arange(0, BM)
+    mm = m < M
+    acc = tl.zeros([BT, BM], tl.float32)
+    ss = tl.zeros([BT], tl.float32)
+    xrow = x_ptr + rows.to(tl.int64)[:, None] * K
+    for k0 in range(s * KS, s * KS + KS, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        x = tl.load(xrow + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision=PREC)
+        ss += tl.sum(x * x, axis=1)
+    tl.store(pmix_ptr + (rows[:, None] * NS + s) * BM + m[None, :], acc, mask=rm[:, None])
+    tl.store(pss_ptr + rows * NS + s, ss, mask=rm)
 
 
 @triton.jit
@@ -166,17 +206,29 @@ def hc_pre_fused(
     if not _use_triton(X):
         return ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm)
     X = X.contiguous()
-    K, BM, NS = S * d, triton.next_power_of_2(M), triton.cdiv(S * d, HC_CHUNK)
+    K, BM, NS = S * d, max(16, triton.next_power_of_2(M)), triton.cdiv(S * d, HC_CHUNK)
+    rows = 0 < HC_ROWS_MIN <= B
+    if rows:  # K splits of whole BK steps, for about HC_ROWS_PROGRAMS programs
+        tiles = triton.cdiv(B, HC_ROWS_BT)
+        want = max(1, min(K // (4 * HC_ROWS_BK), triton.cdiv(HC_ROWS_PROGRAMS, tiles)))
+        KS = triton.cdiv(triton.cdiv(K, want), HC_ROWS_BK) * HC_ROWS_BK
+        NS = triton.cdiv(K, KS)
     BD = triton.next_power_of_2(d) if d <= HC_FINISH_BD else min(1024, HC_FINISH_BD)
     pmix = torch.empty(B, NS, BM, device=X.device, dtype=torch.float32)
     pss = torch.empty(B, NS, device=X.device, dtype=torch.float32)
     x = torch.empty(B, d, device=X.device, dtype=torch.float32)
     post = torch.empty(B, S, device=X.device, dtype=torch.float32)
     comb = torch.empty(B, S, S, device=X.device, dtype=torch.float32)
-    if B:
+    if B and rows:
+        _hc_mix_rows[(tiles, NS)](
+            X, fn.contiguous(), pmix, pss, B, K, M, NS, KS, BT=HC_ROWS_BT, BM=BM, BK=HC_ROWS_BK,
+            PREC=HC_ROWS_PREC, num_warps=4, launch_pdl=PDL,
+        )  # fmt: skip
+    elif B:
         _hc_mix_partial[(B, NS)](
             X, fn.contiguous(), pmix, pss, K, M, NS, BM=BM, CHUNK=HC_CHUNK, num_warps=4, launch_pdl=PDL
         )
+    if B:
         _hc_pre_finish[(B,)](
             X, pmix, pss, scale.float().contiguous(), base.float().contiguous(),
             norm if norm is not None else x, x, post, comb,
