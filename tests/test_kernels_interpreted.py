@@ -28,6 +28,7 @@ MODULES = [
     "test_kernels_prefill.py",
     "test_kernels_attend_prefill.py",
     "test_kernels_indexer_prefill.py",
+    "test_kernels_gemm.py",
 ]
 
 

@@ -15,6 +15,7 @@ f32; ids are read on the device (no host syncs: CUDA-graph capturable once the k
   matmul.moe_swiglu_grouped(x, Wg, Wu, offsets, row_weights, clamp) -> mid [M, F]  prefill gate+up+SwiGLU
   matmul.dequant_experts(W [E, N, K], ids) -> bf16 [n, N, K]   the experts' weights once per chunk (scratch)
   matvec.hmatvec(x [B, K], W [N, K] f16/bf16) -> [B, N]       decode side matrices (compressor, router, ...)
+  gemm.linear_f32(x [M, K], W [N, K] f32) -> [M, N]            prefill's f32 matrices; tf32x3 tensor cores
   attend.attend_decode(q [B, H, D], pool ring / compressed rows by slot, ...) -> o [B, H, D]   decode
   attend.indexer_scores(qi [B, Hi, Di], wts [B, Hi], rows [S, cap, Di], slot, count) -> [B, cap]
   attend_prefill.attend_prefill(q [T, H, D], raw, comp rows by index, ...) -> o [T, H, D]       prefill

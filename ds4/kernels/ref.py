@@ -235,6 +235,11 @@ def moe_down_q8k(
     return (y * weights.float()[..., None]).sum(1)
 
 
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """gemm.linear_f32's twin: x [M, K] @ w[N, K]^T in f32 (cuBLAS / the CPU BLAS)."""
+    return torch.nn.functional.linear(x, w)
+
+
 # =========================================================================================================
 # Fused decode ops (fused.py): HC pre/post, q/kv norm + RoPE (+ FP8), router top-k
 # Legend: B rows, S streams, d = n_embd, M = (2 + S) * S mixing logits, H heads, D head dim, R RoPE dims,

@@ -9,6 +9,7 @@ N raw key rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +79,10 @@ def compress_chunk(
     ratio: int,
     front_kv: torch.Tensor,
     front_score: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> tuple[torch.Tensor, int]:
     """Feed T tokens (positions p0..) through a compressor frontier; pool every window they complete.
+    linear: how x @ w^T is computed (the device prefill passes its f32 tensor-core GEMM).
 
     xn [T, d]; front_kv/front_score [c*r, c*h] are updated in place (ratio 4: rows 0..r-1 previous
     window, rows r..2r-1 current window at slot pos mod r; other ratios: row pos mod r).
@@ -88,8 +91,8 @@ def compress_chunk(
     r, overlap = ratio, ratio == 4
     h = w.norm.numel()
     positions = torch.arange(p0, p0 + xn.shape[0])
-    kv = F.linear(xn, w.kv)  # [T, c*h]
-    score = F.linear(xn, w.gate) + w.ape[positions % r]  # [T, c*h]
+    kv = linear(xn, w.kv)  # [T, c*h]
+    score = linear(xn, w.gate) + w.ape[positions % r]  # [T, c*h]
 
     m = p0 % r  # tokens of the current window already in the frontier
     cur = r if overlap else 0  # first frontier row of the current window

@@ -8,6 +8,7 @@ shard of the experts (every rank routes every token) and the routed sums are add
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,15 +31,22 @@ class MoEWeights:
 
 
 def route(
-    w: MoEWeights, xf: torch.Tensor, tokens: torch.Tensor, k: int, scale: float, normalize: bool
+    w: MoEWeights,
+    xf: torch.Tensor,
+    tokens: torch.Tensor,
+    k: int,
+    scale: float,
+    normalize: bool,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router: (weights [T, k], expert ids [T, k]) for xf [T, d] and the input token ids [T].
+    """Router: (weights [T, k], expert ids [T, k]) for xf [T, d] and the input token ids [T]; linear: how
+    xf @ gate_inp^T is computed (the device prefill passes its f32 tensor-core GEMM).
 
     prob = sqrt(softplus(logit)); hash layers take ids from tid2eid[token], the others the k largest
     prob + bias (ties -> lower expert id). Weights are the unbiased probs of the chosen experts,
     normalised by their sum, times `scale`.
     """
-    probs = F.softplus(F.linear(xf, w.gate_inp)).sqrt()  # [T, E]
+    probs = F.softplus(linear(xf, w.gate_inp)).sqrt()  # [T, E]
     if w.tid2eid is not None:
         ids = w.tid2eid[tokens]  # [T, k]
     else:

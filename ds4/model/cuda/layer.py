@@ -49,6 +49,10 @@ try:  # chunk prefill attention reading the gathered compressed rows in place (n
     from ds4.kernels.attend_prefill import attend_prefill
 except ImportError:  # pragma: no cover - no triton
     attend_prefill = None
+try:  # prefill's f32 matrices on tensor cores at f32 accuracy (tf32x3)
+    from ds4.kernels.gemm import linear_f32
+except ImportError:  # pragma: no cover - no triton
+    linear_f32 = None
 try:  # the prefill indexer's masked [T, C] scores in one launch (no [T, Hi, C] temporary)
     from ds4.kernels.dispatch import use_triton
     from ds4.kernels.indexer_prefill import indexer_scores_prefill
@@ -69,6 +73,21 @@ DECODE_ROWS = 8  # activation rows up to which a QLinear uses the packed matvec 
 BATCH_QROWS = int(os.environ.get("DS4_BATCH_QROWS", "64"))
 
 
+# Rows from which a float32 matrix (router, compressors, q_a, kv, indexer proj: ds4.model.cuda.weights keeps
+# them f32) is applied by ds4.kernels.gemm.linear_f32 (tf32x3 tensor cores, f32 accuracy) on CUDA instead of
+# cuBLAS' FMA kernels: prefill chunks, not decode. An 8k prompt from empty (synthetic Flash q2, H200,
+# tools/gpu/prefill_ab.py, session 9): 2.207 -> 2.158 s with this alone. 0: never. Env DS4_F32_TC_ROWS.
+F32_TC_ROWS = int(os.environ.get("DS4_F32_TC_ROWS", "256"))
+
+
+def lin_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ w[out, in]^T: linear_f32 for f32 operands from F32_TC_ROWS rows on CUDA, else F.linear."""
+    tc = linear_f32 is not None and 0 < F32_TC_ROWS <= x.shape[0] and x.is_cuda and x.ndim == 2
+    if tc and x.dtype == w.dtype == torch.float32:
+        return linear_f32(x, w)
+    return F.linear(x, w)
+
+
 def reads_packed(rows: int) -> bool:
     """Whether a QLinear applied to `rows` activation rows reads its packed blocks (decode and batched decode)
     rather than its dense copy (prefill)."""
@@ -83,7 +102,7 @@ def lin(x: torch.Tensor, w: torch.Tensor | QLinear) -> torch.Tensor:
             return qmatvec(x, w.packed)
         w = w.dense
     if w.dtype == torch.float32:
-        return F.linear(x, w)
+        return lin_f32(x, w)
     return F.linear(x.to(w.dtype), w).float()
 
 
@@ -139,7 +158,8 @@ def _indexer_query(w, qn, xn, positions, inv_freq):
 def _ffn_prefill(cfg, il: int, w: LayerWeights, X, tokens, dtype):
     xf, post, comb = _hc_pre_norm(cfg, X, w.hc_ffn, w.ffn_norm)
     m, clamp = w.moe, cfg.swiglu_clamp[il]
-    weights, ids = route(m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm)
+    k, scale, norm = cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm
+    weights, ids = route(m, xf, tokens, k, scale, norm, linear=lin_f32)
     y = routed_prefill(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, dtype)
     y = y + lin(swiglu(xf, m.gate_sh, m.up_sh, clamp), m.down_sh)
     return _hc_post(y, X, post, comb)
@@ -310,7 +330,7 @@ def shared_gate_up(xf, m, side: SideMatrices | None) -> tuple[torch.Tensor, torc
 
 def _chunk_rows(w, xn, p0, r, fk, fs, out_rows, inv_freq, eps, n_rot, indexer) -> None:
     """Run the chunk through a compressor frontier; store the rows of every window it completes."""
-    pooled, first = compress_chunk(w, xn, p0, r, fk, fs)
+    pooled, first = compress_chunk(w, xn, p0, r, fk, fs, linear=lin_f32)
     K = pooled.shape[0]
     if K:
         starts = first + r * torch.arange(K, device=xn.device)
