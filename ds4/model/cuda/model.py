@@ -32,7 +32,11 @@ from ds4.model.hc import HCWeights, hc_head
 from ds4.model.norm import rms_norm
 from ds4.model.state import KVState
 
-DEFAULT_PREFILL_CHUNK = 4096
+# Tokens per prefill chunk. Each chunk runs all layers and dequantizes every routed expert it uses (~180 ms a
+# chunk for the full model on the H200), so fewer, longer chunks pay that less often: an 8k prompt from empty
+# (synthetic Flash q2, tools/gpu/prefill_ab.py, session 9) 2.207 s at 4096, 1.878 s at 8192; peak GPU memory
+# 97.8 -> 99.8 GiB. Env DS4_PREFILL_CHUNK.
+DEFAULT_PREFILL_CHUNK = int(os.environ.get("DS4_PREFILL_CHUNK", "8192"))
 # decode_batch of ONE session through the single-state graph (captured once per state, no pool gathers; the
 # speed of forward(state, [tok])). 0: through the pool's bucket-1 graph (one capture per pool; timed as "1*"
 # by tools/gpu/batch_check.py). Env DS4_BATCH1_SINGLE.
