@@ -41,7 +41,8 @@ ATTEND_BN = 32  # bf16x3 at B = 32, 8k (bench_attend.py, H200): ratio-4 layer 15
 ATTEND_BN_FMA = 16  # the FMA dots ("ieee"): at 32 keys they spill (808 B per thread on sm_90)
 # bf16x3 keys per block where every compressed row is read (no index: the ratio-128 layers): bench_attend.py
 # (session 8, B = 32, 8k) timed such a layer at 103.1 us with 16 keys vs 143.5 with 32 (ratio-4: 231.6 vs
-# 156.7), B = 1 launch-bound there; not yet timed in the model: ATTEND_BN until then. Env DS4_ATTEND_BN_DENSE.
+# 156.7), B = 1 launch-bound there; in the model (session 9, B = 32 step at 8k, batch_check.py) 63.98 ms
+# with 16 vs 63.17 with 32: ATTEND_BN. Env DS4_ATTEND_BN_DENSE.
 ATTEND_BN_DENSE = int(os.environ.get("DS4_ATTEND_BN_DENSE", str(ATTEND_BN)))
 ATTEND_PROGRAMS = 264
 ATTEND_WARPS = 8

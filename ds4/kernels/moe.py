@@ -936,7 +936,8 @@ def _q2k_q8k_down_kernel(
 #     variants apply); down has 4x the programs, so prefetch matters less there.
 # Expected (not measured): gate+up 44 -> ~20-25 us if the L1 estimate holds (then issue-bound), down 26 ->
 # ~15-20 us; ~1 ms per token of the ~3 ms. tools/gpu/bench_moe.py --quick picks per B.
-# Session 8 (sm_90 compile only, not yet timed): both default loops are barrier-free now. gate+up: the
+# Session 8 (sm_90 compile only; timed in session 9: B = 1 gate+up 37.7 -> 33.7 us, down 25.3 -> 21.4 us,
+# bench_moe.py --quick, H200): both default loops are barrier-free now. gate+up: the
 # sub-block words loaded as bytes in the grid indices' shape (_iq2_load; prmt 256 -> 245 instructions,
 # 64 -> 56 registers, 8 -> 0 BAR; prefetch 116 -> 71 registers); down: one [BN, 4c] pair of integer sums
 # per super-block, shift by shift in the quant words' layout (_q2k_block_sums; 475 -> 393 instructions,
@@ -1004,8 +1005,9 @@ _INT8 = os.environ.get("DS4_MOE_INT8", "1") == "1"
 # Session 8 (tools/gpu/ab_decode.py, whole model at 4k ctx, H200): MoeConfig.prmt (nibble tables + byte
 # permutes, bit-identical) 97.82 -> 99.74 tok/s: on (env DS4_MOE_PRMT=0: off); MoeConfig.grid16 (the
 # 512-byte code table) 96.22: off (env DS4_MOE_GRID16=1, which needs DS4_MOE_PRMT=0). With prmt, sign_math
-# means the sign nibbles computed instead of their 512-byte table gathered: not yet timed (session 8 has
-# prmt with the gather), off; env DS4_MOE_SIGN_MATH (default: on without prmt, off with it).
+# means the sign nibbles computed instead of their 512-byte table gathered: session 9 (same A/B) 103.70 ->
+# 104.53 tok/s (x1.008, within the spread of such runs): off; env DS4_MOE_SIGN_MATH (default: on without
+# prmt, off with it). DOWN at 2 k-splits: bench_moe B = 1 21.4 -> 18.5 us, whole model 102.91 tok/s: off.
 _GRID16 = os.environ.get("DS4_MOE_GRID16", "0") == "1"
 _PRMT = os.environ.get("DS4_MOE_PRMT", "1") == "1"
 _SIGN_MATH = os.environ.get("DS4_MOE_SIGN_MATH", "0" if _PRMT else "1") == "1"
