@@ -139,6 +139,54 @@ def test_q_norm_rope(B: int, H: int, D: int, R: int) -> None:
     assert _max_rel(ref.q_norm_rope(q, pos, inv, EPS), want) < 2e-5
 
 
+def test_q_norm_rope_bf16_input() -> None:
+    """Prefill feeds the bf16 GEMM output straight in: widened on load, the same as the f32 copy."""
+    B, H, D, R = 3, 4, 192, 64
+    q = (torch.randn(B, H, D, generator=_gen(9)) * 3).bfloat16()
+    pos, inv = _positions(B, 9), rope_inv_freq(R, 10000.0)
+    got = fused.q_norm_rope(q.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), EPS)
+    assert got.dtype == torch.float32
+    assert _max_rel(got, rope_tail(rms_norm(q.float(), None, EPS), pos, inv)) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,D,R", [(3, 4, 192, 64), (2, 3, 200, 8)])
+def test_o_unrope(B: int, H: int, D: int, R: int, dtype: torch.dtype) -> None:
+    """The inverse rotation of the tail, in the GEMM's dtype; the other dims only cast."""
+    o = torch.randn(B, H, D, generator=_gen(D + 1)) * 3
+    pos, inv = _positions(B, D + 1), rope_inv_freq(R, 10000.0, orig_ctx=4096, factor=16.0)
+    got = fused.o_unrope(o.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), dtype).cpu()
+    want = rope_tail(o, pos, inv, inverse=True)  # f32 angles pos * inv_freq, as the model rounds them
+    assert got.shape == (B, H, D) and got.dtype == dtype
+    assert torch.equal(got[..., :-R], o[..., :-R].to(dtype))
+    tol = 2e-5 if dtype == torch.float32 else 2**-8  # one bf16 rounding of each value
+    assert _max_rel(got[..., -R:], want[..., -R:]) < tol
+    assert _max_rel(ref.o_unrope(o, pos, inv, dtype)[..., -R:], want[..., -R:]) < tol
+    back = rope_tail(got.float(), pos, inv)  # rotating forward again restores o
+    assert _max_rel(back, o.double()) < tol
+
+
+def test_bf16_store_rounds_to_nearest_even() -> None:
+    """A store of f32 values into a bf16 tensor rounds as torch does (RNE, carries into the exponent, NaN
+    kept): compiled, and under the interpreter with ds4.kernels' fix (it truncated o_unrope's bf16 output)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _store(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < N), mask=i < N)
+
+    x = torch.cat([torch.randn(500, generator=_gen(3)) * 10, torch.tensor([1.9973328, -0.1247706, 7.9934378,
+                   float("nan"), float("inf"), 0.0, -0.0, 3.0e38])])  # fmt: skip
+    out = torch.empty(x.numel(), dtype=torch.bfloat16, device=DEVICE)
+    _store[(1,)](x.to(DEVICE), out, x.numel(), BLOCK=1024)
+    want = x.bfloat16()
+    got = out.cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
 def _midpoint_risk(y: torch.Tensor, block: int = 64, rel: float = 4e-6) -> torch.Tensor:
     """Mask [B, n] of reference pre-quantization values whose FP8 rounding an ulp-level change could flip."""
     yb = y.double().unflatten(-1, (-1, block))
@@ -303,6 +351,7 @@ def test_decode_wiring_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> No
         lambda: dec.hc_pre_norm(X, fn, scale, base, norm, 20, EPS, EPS),
         lambda: dec.hc_post(f, X, torch.rand(1, S, device=DEVICE), torch.rand(1, S, S, device=DEVICE)),
         lambda: dec.q_post(q, pos, inv, EPS),
+        lambda: dec.o_post(q, pos, inv, torch.float32),
         lambda: dec.kv_post(kv, kvw, pos, inv, EPS, R),
         lambda: layer.route_decode(router, f, None, 3, 2.5, True),
     ]
@@ -332,5 +381,6 @@ def test_flash_shapes_cuda(B: int) -> None:
     pos, inv = _positions(B, B), rope_inv_freq(64, 160000.0, orig_ctx=65536, factor=16.0)
     got = fused.q_norm_rope(q.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), EPS)
     assert _max_rel(got, rope_tail(rms_norm(q, None, EPS), pos, inv)) < 2e-5
+    test_o_unrope(B, 64, 512, 64, torch.bfloat16)
     test_kv_norm_rope_fp8(B, 512, 64)
     test_router_topk(B, 256, 6, True)

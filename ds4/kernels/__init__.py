@@ -31,12 +31,14 @@ import os
 
 
 def _fix_triton_interpreter() -> None:
-    """Two fixes to Triton 3.6's interpreter (tests only; no effect on compiled kernels).
+    """Three fixes to Triton 3.6's interpreter (tests only; no effect on compiled kernels).
 
     1. It stores scalars as 1-element arrays and converts them with ``int(array)``, which numpy >= 2.3 rejects
        for ndim > 0, so every ``for i in range(n)`` with a runtime ``n`` fails: convert the single element.
     2. ``tl.dot`` on bf16 operands multiplies their raw uint16 storage: widen bf16 to f32 first (exact), which
        is what the tensor cores compute (exact products, f32 accumulation).
+    3. f32 -> bf16 casts (explicit, or a store into a bf16 tensor) truncate: round to nearest even instead,
+       as the compiled code does.
     """
     try:
         from triton.runtime import interpreter
@@ -68,6 +70,19 @@ def _fix_triton_interpreter() -> None:
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = dot
+    cast_impl = builder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:  # round, as cvt.rn.bf16.f32
+            # (the interpreter's own RTNE path drops the carry into the exponent: 1.9973 -> 1.0)
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            nan = np.isnan(src.data)
+            data = np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)  # NaN stays NaN
+            return interpreter.TensorHandle(data, tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    builder.cast_impl = cast
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

@@ -10,6 +10,7 @@ ds4/kernels/ref.py (section "Fused decode ops"), which is also the CPU path of t
                    HC_ROWS_MIN rows, per row tile; then one program per row)
   hc_post_fused    X'[dst] = post[dst] * f + sum_src comb[src, dst] * X[src], 1 launch
   q_norm_rope      per-head RMSNorm(no weight) + RoPE on the tail, 1 launch
+  o_unrope         the inverse RoPE of the attention output + the cast for its GEMM, 1 launch (prefill)
   kv_norm_rope_fp8 RMSNorm(weight) + RoPE + FP8 E4M3 round trip of the nope dims (64-blocks), 1 launch
   router_topk      sqrt(softplus) probs, biased top-k (ties -> lower id), normalised weights, 1 launch
 The FP8 path uses correctly rounded sqrt/division so that, given the same f32 pre-quantization values, the
@@ -339,13 +340,25 @@ def _rope_tail(
 @triton.jit
 def _q_norm_rope_kernel(q_ptr, out_ptr, pos_ptr, inv_ptr, H, D, R, eps, BD: tl.constexpr, BP: tl.constexpr):
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
-    row = tl.program_id(0)  # b * H + h
+    row = tl.program_id(0).to(tl.int64)  # b * H + h (64-bit: a prefill chunk's q passes 2^31 elements)
     d = tl.arange(0, BD)
     x = tl.load(q_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
     rs = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
     tl.store(out_ptr + row * D + d, x * rs, mask=d < D - R)
     pos = tl.load(pos_ptr + row // H).to(tl.float32)
     _rope_tail(q_ptr, out_ptr, row * D, D, R, rs, inv_ptr, pos, inv_ptr, HAS_W=False, BP=BP)
+
+
+@triton.jit
+def _o_unrope_kernel(o_ptr, out_ptr, pos_ptr, inv_ptr, H, D, R, BD: tl.constexpr, BP: tl.constexpr):
+    """Program row = b H + h: out[row] = o[row] with its last R dims rotated by -pos[b] inv_freq (the angle
+    negated exactly: cos even, sin odd), stored in out's dtype."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    tl.store(out_ptr + row * D + d, tl.load(o_ptr + row * D + d, mask=d < D - R, other=0.0), mask=d < D - R)
+    pos = tl.load(pos_ptr + row // H).to(tl.float32)
+    _rope_tail(o_ptr, out_ptr, row * D, D, R, 1.0, inv_ptr, -pos, inv_ptr, HAS_W=False, BP=BP)
 
 
 @triton.jit
@@ -410,6 +423,23 @@ def q_norm_rope(q: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, eps:
             q.contiguous(), out, pos.contiguous(), inv_freq.float().contiguous(), H, D, R, float(eps),
             BD=triton.next_power_of_2(D), BP=triton.next_power_of_2(R // 2), num_warps=4,
             launch_pdl=PDL,
+        )  # fmt: skip
+    return out
+
+
+def o_unrope(o: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """o [B, H, D] f32 -> rope_tail(o, pos, inv_freq, inverse=True) [B, H, D] in `dtype` (the attention output
+    de-rotated and rounded once for the output projection's GEMM); pos [B] int."""
+    _check(o.ndim == 3, f"o_unrope: o must be [B, H, D], got {tuple(o.shape)}")
+    B, H, D = o.shape
+    R = _check_rope("o_unrope", D, pos, B, inv_freq)
+    if not _use_triton(o):
+        return ref.o_unrope(o, pos, inv_freq, dtype)
+    out = torch.empty(B, H, D, device=o.device, dtype=dtype)
+    if B * H:
+        _o_unrope_kernel[(B * H,)](
+            o.contiguous(), out, pos.contiguous(), inv_freq.float().contiguous(), H, D, R,
+            BD=triton.next_power_of_2(D), BP=triton.next_power_of_2(R // 2), num_warps=4, launch_pdl=PDL,
         )  # fmt: skip
     return out
 

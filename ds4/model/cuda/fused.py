@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - no triton
     _sinkhorn = sinkhorn
 from ds4.model.norm import rms_norm
 from ds4.model.quantsim import fp8_e4m3_roundtrip, indexer_qat
+from ds4.model.rope import rope_tail
 
 FP8_BLOCK = 64
 
@@ -137,7 +138,7 @@ def _hc_post(f, X, post, comb):
 
 
 def q_post(q, pos, inv_freq, eps: float):
-    """q [1, H, D]: per-head RMS (no weight), then RoPE."""
+    """q [B, H, D] (any float dtype, widened on load): per-head RMS (no weight), then RoPE -> f32."""
     if TRITON_FUSED:
         return _kf.q_norm_rope(q, pos, inv_freq, eps)
     return _q_post(q, pos, inv_freq, eps)
@@ -146,6 +147,13 @@ def q_post(q, pos, inv_freq, eps: float):
 @fuse
 def _q_post(q, pos, inv_freq, eps: float):
     return rope_real(rms_norm(q, None, eps), pos, inv_freq)
+
+
+def o_post(o, pos, inv_freq, dtype: torch.dtype):
+    """o [T, H, D] f32 -> the inverse RoPE of its tail, in `dtype` (the output projection's GEMM dtype)."""
+    if TRITON_FUSED:
+        return _kf.o_unrope(o, pos, inv_freq, dtype)
+    return rope_tail(o, pos, inv_freq, inverse=True).to(dtype)
 
 
 def kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int, out=None, rows=None):

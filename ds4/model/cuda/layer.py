@@ -94,16 +94,31 @@ def reads_packed(rows: int) -> bool:
     return rows <= max(DECODE_ROWS, BATCH_QROWS)
 
 
-def lin(x: torch.Tensor, w: torch.Tensor | QLinear) -> torch.Tensor:
+def lin(x: torch.Tensor, w: torch.Tensor | QLinear, keep: bool = False) -> torch.Tensor:
     """x [T, in] f32 @ w[out, in]^T -> f32 [T, out]: the packed matvec kernels for decode-sized row counts
-    of a QLinear (reads_packed), else a GEMM in the dense copy's dtype (tensor cores for bf16)."""
+    of a QLinear (reads_packed), else a GEMM in the dense copy's dtype (tensor cores for bf16). keep: a
+    bf16 GEMM's output left in bf16 (for a kernel that widens on load: the same values, no f32 copy)."""
     if isinstance(w, QLinear):
         if reads_packed(x.shape[0]):
             return qmatvec(x, w.packed)
         w = w.dense
     if w.dtype == torch.float32:
         return lin_f32(x, w)
-    return F.linear(x.to(w.dtype), w).float()
+    y = F.linear(x.to(w.dtype), w)
+    return y if keep else y.float()
+
+
+def dense_dtype(w: torch.Tensor | QLinear) -> torch.dtype:
+    """The dtype a prefill GEMM with w runs in (its dense copy's)."""
+    return (w.dense if isinstance(w, QLinear) else w).dtype
+
+
+# Prefill's per-token chains through the decode step's Triton kernels (ds4.kernels.fused): q's per-head norm +
+# RoPE (q_norm_rope, reading the bf16 GEMM output), kv's norm + RoPE + FP8 (kv_norm_rope_fp8), the attention
+# output's inverse RoPE + bf16 cast (o_unrope), each one launch over the chunk instead of torch chains that
+# pass the chunk's [T, H, D] q / o (1 GiB in f32 at 8192 tokens) through memory 5-8 times. The same math
+# (the decode step uses these kernels). Off (or without TRITON_FUSED): the torch ops. Env DS4_PREFILL_FUSED.
+PREFILL_FUSED = os.environ.get("DS4_PREFILL_FUSED", "1") != "0"
 
 
 def grouped_output(o: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor, groups: int) -> torch.Tensor:
@@ -134,6 +149,9 @@ def _qkv(w, shape: AttentionShape, xn, positions, inv_freq):
     """(qn [T, Rq], q [T, H, D], kv rows [T, D]) exactly as the CPU attention_forward builds them."""
     H, D, eps = shape.n_head, shape.head_dim, shape.rms_eps
     qn = rms_norm(lin(xn, w.q_a), w.q_a_norm, eps)
+    if PREFILL_FUSED and fused.TRITON_FUSED:
+        q = fused.q_post(lin(qn, w.q_b, keep=True).unflatten(-1, (H, D)), positions, inv_freq, eps)
+        return qn, q, fused.kv_post(lin(xn, w.kv), w.kv_norm, positions, inv_freq, eps, shape.n_rot)
     q = lin(qn, w.q_b).unflatten(-1, (H, D))
     q = rope_tail(rms_norm(q, None, eps), positions, inv_freq)
     kv = rms_norm(lin(xn, w.kv), w.kv_norm, eps)
@@ -480,7 +498,10 @@ def attention_prefill(w, shape: AttentionShape, kv: DeviceLayerKV, xn, p0: int, 
         o = _sink_attention_chunk(q, raw, p0 - n_prev, positions, W, comp, idx, valid, w.sinks, dtype)
     keep = min(T, W)  # the ring keeps the last W rows
     kv.raw[torch.remainder(positions[-keep:], W)] = rows[-keep:]
-    o = rope_tail(o, positions, inv_freq, inverse=True)
+    if PREFILL_FUSED and fused.TRITON_FUSED and T > 1:  # T = 1 goes to the packed grouped matvec in f32
+        o = fused.o_post(o, positions, inv_freq, dense_dtype(w.out_a))
+    else:
+        o = rope_tail(o, positions, inv_freq, inverse=True)
     return grouped_output(o, w.out_a, w.out_b, shape.o_groups)
 
 
