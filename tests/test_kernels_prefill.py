@@ -191,6 +191,25 @@ def test_moe_swiglu_grouped(path, clamp, dequant_path, monkeypatch):
         g, u = bf16_oracle(x, wg, offsets), bf16_oracle(x, wu, offsets)
         assert rel_err(got, ref.swiglu_clamped(g, u, clamp) * rw[:, None]) < SAME_TOL
     assert (got[0] == 0).all() and (got[49] == 0).all()
+    got16 = matmul.moe_swiglu_grouped(x, wg, wu, offsets, rw, clamp, out_dtype=torch.bfloat16)
+    assert got16.dtype == torch.bfloat16 and torch.equal(got16, got.bfloat16())  # one RNE rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_sum(dtype) -> None:
+    """out[t] = sum_j rows[pos[t, j]] in order: bit-equal to the twin's sequential f32 sum, near the f64 sum;
+    repeated and unused rows, a partial block of GATHER_SUM_BD."""
+    N, D, T, k = 11, matmul.GATHER_SUM_BD + 476, 5, 3
+    rows = (torch.randn(N, D, generator=generator(40), device=DEVICE) * 4).to(dtype)
+    pos = torch.randint(0, N - 2, (T, k), generator=generator(41), device=DEVICE)
+    pos[0] = torch.tensor([3, 3, 0])  # one row twice
+    got = matmul.gather_sum(rows, pos)
+    assert got.shape == (T, D) and got.dtype == torch.float32
+    assert torch.equal(got, ref.gather_sum(rows, pos))
+    want = rows.double()[pos].sum(1)
+    assert rel_err(got, want) < 1e-6
+    with pytest.raises(ValueError, match=r"rows \[N, D\] and pos \[T, k\]"):
+        matmul.gather_sum(rows, pos[0])
 
 
 def test_moe_grouped_pair_errors(dequant_path, monkeypatch):

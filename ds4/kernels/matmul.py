@@ -35,6 +35,7 @@ import triton.language as tl
 from ds4.quant.types import GGMLType
 
 from . import ref
+from .dispatch import require as _check
 from .matvec import (
     _qmv_kernel,
     check_weight,
@@ -172,9 +173,11 @@ def moe_swiglu_grouped(
     offsets: torch.Tensor,
     row_weights: torch.Tensor,
     clamp: float,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """mid [M, F] f32 = silu(min(g, c)) * clamp(u, -c, c) * row_weights[:, None] with g, u = the grouped
-    products of x_sorted [M, K] with gate, up [E, F, K] (clamp c <= 0: no clamp; model.md §5.5).
+    """mid [M, F] = silu(min(g, c)) * clamp(u, -c, c) * row_weights[:, None] with g, u = the grouped
+    products of x_sorted [M, K] with gate, up [E, F, K] (clamp c <= 0: no clamp; model.md §5.5), computed in
+    f32 and stored in out_dtype (bf16: rounded once, for the down GEMM, without an f32 copy in between).
 
     "dequant" path: gate and up rows interleaved in one scratch, one GEMM whose epilogue applies the SwiGLU
     and the router weight (no [M, 2F] intermediate). "fused" path and CPU: moe_grouped_pair, then torch.
@@ -188,9 +191,44 @@ def moe_swiglu_grouped(
     rw = row_weights.float().contiguous()
     if not use_triton(x) or PREFILL_MOE == "fused":
         g, u = moe_grouped_pair(x, gate, up, offsets)
-        return ref.swiglu_clamped(g, u, clamp) * rw[:, None]
-    out = torch.zeros(x.shape[0], gate.N, dtype=torch.float32, device=x.device)
+        return (ref.swiglu_clamped(g, u, clamp) * rw[:, None]).to(out_dtype)
+    out = torch.zeros(x.shape[0], gate.N, dtype=out_dtype, device=x.device)
     _dense_groups(x.to(torch.bfloat16), [gate, up], offsets, out, rw, float(clamp))
+    return out
+
+
+@triton.jit
+def _gather_sum_kernel(rows_ptr, pos_ptr, out_ptr, D, K: tl.constexpr, BD: tl.constexpr):
+    """Program (t, block of D): out[t] = rows[pos[t, 0]] + rows[pos[t, 1]] + ... (f32, j in order)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = d < D
+    acc = tl.zeros([BD], tl.float32)
+    for j in tl.static_range(K):
+        p = tl.load(pos_ptr + t * K + j).to(tl.int64)
+        acc += tl.load(rows_ptr + p * D + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + d, acc, mask=dm)
+
+
+GATHER_SUM_BD = 1024  # row elements per program of gather_sum
+
+
+def gather_sum(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """out [T, D] f32, out[t] = sum_j rows[pos[t, j]] over j = 0 .. k-1 in order; rows [N, D] (f32 or bf16),
+    pos [T, k] int row indices. The routed experts' outputs (in expert order) summed per token without the
+    [T, k, D] per-slot copy."""
+    _check(rows.ndim == 2 and pos.ndim == 2, f"gather_sum: rows [N, D] and pos [T, k] expected, got "
+           f"{tuple(rows.shape)} and {tuple(pos.shape)}")  # fmt: skip
+    if not use_triton(rows):
+        return ref.gather_sum(rows, pos)
+    T, k = pos.shape
+    D = rows.shape[1]
+    out = torch.empty(T, D, dtype=torch.float32, device=rows.device)
+    if T and D:
+        grid = (T, triton.cdiv(D, GATHER_SUM_BD))
+        _gather_sum_kernel[grid](rows.contiguous(), pos.contiguous(), out, D, K=k, BD=GATHER_SUM_BD)
+    elif T:
+        out.zero_()
     return out
 
 
@@ -582,6 +620,7 @@ __all__ = [
     "PREFILL_MOE",
     "DenseConfig",
     "dequant_experts",
+    "gather_sum",
     "group_tiles",
     "moe_grouped",
     "moe_grouped_pair",

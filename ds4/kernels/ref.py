@@ -235,6 +235,14 @@ def moe_down_q8k(
     return (y * weights.float()[..., None]).sum(1)
 
 
+def gather_sum(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """matmul.gather_sum's twin: out[t] = sum_j rows[pos[t, j]] in f32, j in order."""
+    acc = torch.zeros(pos.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
+    for j in range(pos.shape[1]):
+        acc = acc + rows[pos[:, j].long()].float()
+    return acc
+
+
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """gemm.linear_f32's twin: x [M, K] @ w[N, K]^T in f32 (cuBLAS / the CPU BLAS)."""
     return torch.nn.functional.linear(x, w)
@@ -292,6 +300,11 @@ def _rope(y: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.T
 def q_norm_rope(q, pos, inv_freq, eps: float):
     """q [B, H, D]: per-head RMSNorm (no weight), RoPE on the last R dims."""
     return _rope(_rms(q.float(), eps), pos, inv_freq)
+
+
+def o_unrope(o, pos, inv_freq, dtype: torch.dtype):
+    """o [B, H, D]: RoPE on the last R dims by the negated angle (the inverse rotation), cast to dtype."""
+    return _rope(o.float(), -pos, inv_freq).to(dtype)
 
 
 def _fp8_e4m3(x: torch.Tensor, block: int = 64) -> torch.Tensor:

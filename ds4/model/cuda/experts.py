@@ -29,9 +29,9 @@ try:  # gathered-expert / grouped Triton kernels (another module's family); opti
 except ImportError:  # pragma: no cover - not there yet
     kmoe = None
 try:
-    from ds4.kernels.matmul import moe_grouped, moe_swiglu_grouped
+    from ds4.kernels.matmul import gather_sum, moe_grouped, moe_swiglu_grouped
 except ImportError:  # pragma: no cover
-    moe_grouped = moe_swiglu_grouped = None
+    gather_sum = moe_grouped = moe_swiglu_grouped = None
 from ds4.quant import GGMLType
 from ds4.quant.dequant import _BLOCK_DECODERS, _f16, _iq2xxs_signed_grid  # the bit-exact block formulas
 from ds4.quant.types import BLOCK_GEOMETRY
@@ -161,29 +161,49 @@ def routed_prefill(
         lo = dist.rank() * n_exp
         slot = torch.nonzero((flat >= lo) & (flat < lo + n_exp)).reshape(-1)
         flat, w_flat = flat[slot] - lo, w_flat[slot]
+    stacks = (gate, up, down)
+    if not dist.active() and _grouped(gate, dtype):  # one process: the per-token sum read in place
+        out, slot_sorted = _grouped_outputs(x, flat, w_flat, slot, k, stacks, clamp, dtype, n_exp)
+        pos = torch.empty_like(slot_sorted)  # [N] row of `out` holding each flat slot t k + j
+        pos[slot_sorted] = torch.arange(slot_sorted.numel(), device=pos.device)
+        return gather_sum(out, pos.view(T, k))
     per_slot = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T k, d]
-    _slot_outputs(x, flat, w_flat, slot, k, per_slot, (gate, up, down), clamp, dtype, n_exp)
+    _slot_outputs(x, flat, w_flat, slot, k, per_slot, stacks, clamp, dtype, n_exp)
     return combine_slots(per_slot.view(T, k, -1))
+
+
+def _grouped(gate, dtype: torch.dtype) -> bool:
+    """Whether prefill runs the grouped bf16 GEMMs (PackedWeight stacks, the kernels present)."""
+    wide = dtype != torch.float32 or os.environ.get("DS4_GROUPED_F32") == "1"
+    return moe_grouped is not None and wide and not isinstance(gate, Packed)
+
+
+def _grouped_outputs(x, flat, w_flat, slot, k: int, stacks, clamp: float, dtype, n_exp: int):
+    """(out [N, d] f32: w_flat[s] * expert_{flat[s]}(x[slot[s] // k]) in expert order, slot_sorted [N]: the
+    flat slot of each row) by the grouped GEMMs (matmul.PREFILL_MOE picks how)."""
+    gate, up, down = stacks
+    order = torch.argsort(flat, stable=True)  # [N] slots sorted by expert
+    offsets = torch.zeros(n_exp + 1, dtype=torch.int32, device=x.device)
+    offsets[1:] = torch.bincount(flat, minlength=n_exp).cumsum(0)
+    slot_sorted = slot[order]
+    xs = x.to(dtype)[slot_sorted // k]  # [N, d] rows grouped by expert (cast first: half the bytes gathered)
+    mid = moe_swiglu_grouped(xs, gate, up, offsets, w_flat[order], clamp, out_dtype=dtype)  # swiglu * weight
+    return moe_grouped(mid, down, offsets), slot_sorted  # [N, d]
 
 
 def _slot_outputs(x, flat, w_flat, slot, k: int, per_slot, stacks, clamp: float, dtype, n_exp: int) -> None:
     """per_slot[slot[s]] = w_flat[s] * expert_{flat[s]}(x[slot[s] // k]) for every kept slot s (each written
     once: no accumulation)."""
     gate, up, down = stacks
+    if _grouped(gate, dtype):
+        out, slot_sorted = _grouped_outputs(x, flat, w_flat, slot, k, stacks, clamp, dtype, n_exp)
+        per_slot.index_copy_(0, slot_sorted, out.float())
+        return
     order = torch.argsort(flat, stable=True)  # [N] slots sorted by expert
     hist = torch.bincount(flat, minlength=n_exp)
     slot_sorted = slot[order]
     tok_sorted = slot_sorted // k
     w_sorted = w_flat[order]
-    grouped = moe_grouped is not None and (dtype != torch.float32 or os.environ.get("DS4_GROUPED_F32") == "1")
-    if not isinstance(gate, Packed) and grouped:  # grouped bf16 GEMMs (matmul.PREFILL_MOE picks how)
-        offsets = torch.zeros(n_exp + 1, dtype=torch.int32, device=x.device)
-        offsets[1:] = hist.cumsum(0)
-        xs = x[tok_sorted].to(dtype)  # [N, d] rows grouped by expert
-        mid = moe_swiglu_grouped(xs, gate, up, offsets, w_sorted, clamp)  # [N, F]: swiglu_mid * weight
-        out = moe_grouped(mid.to(dtype), down, offsets)  # [N, d]
-        per_slot.index_copy_(0, slot_sorted, out.float())
-        return
     counts = hist.tolist()  # host sync: prefill only
     xs = x.to(dtype)
     start = 0
