@@ -6,8 +6,8 @@ Full synthetic Flash q2, one model in one process; each variant sets module swit
 into a fresh state (after one untimed run of the same variant: compiles, scratch), median of --repeats.
 Prints tok/s and the final logits' max |d| / std against the first variant (how far the switch moves the
 numbers: the f32 switches should stay near 1e-3; bf16 noise of the other matrices is there in every run).
-Variants: "old" (session 8's path: per-row HC mixing, cuBLAS FMA f32 GEMMs, 4096-token chunks), then each
-switch on its own, then all together (= the shipped defaults when they match).
+Variants: "old" (session 8's path: per-row HC mixing, cuBLAS FMA f32 GEMMs, 4096-token chunks, torch chains
+for q / kv / o), three switches on their own, "all" (= the shipped defaults), and "all but <switch>".
 """
 
 from __future__ import annotations
@@ -26,18 +26,23 @@ from ds4.bench import synthetic_model  # noqa: E402
 from ds4.kernels import fused  # noqa: E402
 from ds4.model.cuda import layer  # noqa: E402
 
-OLD = {"hc_rows": 0, "f32_tc": 0, "chunk": 4096}
+# the switches: HC mixing as row tiles (fused.HC_ROWS_MIN), f32 matrices on tensor cores (layer.F32_TC_ROWS),
+# the chunk length, the per-token chains through the fused kernels (layer.PREFILL_FUSED)
+OLD = {"hc_rows": 0, "f32_tc": 0, "chunk": 4096, "pfused": False}
+ALL = {"hc_rows": 64, "f32_tc": 256, "chunk": 8192, "pfused": True}
 VARIANTS = {
     "old": OLD,
     "hc rows": {**OLD, "hc_rows": 64},
     "f32 tc": {**OLD, "f32_tc": 256},
     "chunk 8192": {**OLD, "chunk": 8192},
-    "all": {"hc_rows": 64, "f32_tc": 256, "chunk": 8192},
+    "all": ALL,
+    **{f"all but {k}": {**ALL, k: OLD[k]} for k in ALL},
 }
 
 
 def _set(m, v: dict) -> None:
     fused.HC_ROWS_MIN, layer.F32_TC_ROWS, m.prefill_chunk = v["hc_rows"], v["f32_tc"], v["chunk"]
+    layer.PREFILL_FUSED = v["pfused"]
 
 
 def _prefill(m, prompt: list[int]) -> tuple[float, torch.Tensor]:
@@ -53,7 +58,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("tokens", type=int, nargs="?", default=8192)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}")
     a = p.parse_args()
     t0 = time.perf_counter()
     m = synthetic_model("q2", graphs=False)
