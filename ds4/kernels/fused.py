@@ -54,6 +54,7 @@ HC_FINISH_WARPS = int(os.environ.get("DS4_HC_FINISH_WARPS", "0"))
 # rows 1,092 / 1,062 / 705 us (761 GB/s); all within 9e-7 of the per-row result.
 HC_ROWS_MIN = int(os.environ.get("DS4_HC_ROWS_MIN", "64"))
 HC_ROWS_BT = 64  # rows per program of _hc_mix_rows
+HC_ROWS_WARPS = 4  # its warps (sm_90 build at 64 rows: 207 registers a thread)
 HC_ROWS_BK = 64  # K elements per step of its loop
 HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs
 HC_ROWS_PREC = os.environ.get("DS4_HC_ROWS_PREC", "tf32x3")
@@ -223,7 +224,7 @@ def hc_pre_fused(
     if B and rows:
         _hc_mix_rows[(tiles, NS)](
             X, fn.contiguous(), pmix, pss, B, K, M, NS, KS, BT=HC_ROWS_BT, BM=BM, BK=HC_ROWS_BK,
-            PREC=HC_ROWS_PREC, num_warps=4, launch_pdl=PDL,
+            PREC=HC_ROWS_PREC, num_warps=HC_ROWS_WARPS, launch_pdl=PDL,
         )  # fmt: skip
     elif B:
         _hc_mix_partial[(B, NS)](

@@ -416,8 +416,9 @@ def _capture_fused(sink: list) -> None:
     from ds4.kernels import fused
 
     fused._use_triton = lambda t: True
-    for attr in ("_hc_mix_partial", "_hc_pre_finish", "_hc_post_kernel", "_q_norm_rope_kernel",
-                 "_kv_norm_rope_fp8_kernel", "_router_kernel"):  # fmt: skip
+    for attr in ("_hc_mix_partial", "_hc_mix_rows", "_hc_pre_finish", "_hc_post_kernel",
+                 "_q_norm_rope_kernel", "_o_unrope_kernel", "_kv_norm_rope_fp8_kernel",
+                 "_router_kernel"):  # fmt: skip
         setattr(fused, attr, _Capture(getattr(fused, attr), sink))
     S, d, H, D, R, E = 4, 4096, 64, 512, 64, 256
     M, pos, inv = (2 + S) * S, torch.zeros(1, dtype=torch.long), torch.rand(R // 2)
@@ -427,7 +428,11 @@ def _capture_fused(sink: list) -> None:
             fused.hc_pre_fused(X, torch.zeros(M, S * d, dtype=fn_dtype), torch.ones(3), torch.zeros(M), 20,
                                1e-6, 1e-6, norm)  # fmt: skip
     fused.hc_post_fused(torch.randn(1, d), torch.randn(1, S, d), torch.rand(1, S), torch.rand(1, S, S))
+    X = torch.randn(fused.HC_ROWS_MIN + 8, S, d)  # prefill rows: the row-tile mixing
+    fused.hc_pre_fused(X, torch.zeros(M, S * d), torch.ones(3), torch.zeros(M), 20, 1e-6, 1e-6, torch.ones(d))
     fused.q_norm_rope(torch.randn(1, H, D), pos, inv, 1e-6)
+    fused.q_norm_rope(torch.randn(1, H, D).bfloat16(), pos, inv, 1e-6)  # prefill: the bf16 GEMM output
+    fused.o_unrope(torch.randn(1, H, D), pos, inv, torch.bfloat16)
     fused.kv_norm_rope_fp8(torch.randn(1, D), torch.ones(D), pos, inv, 1e-6)
     for bias in (None, torch.zeros(E)):
         fused.router_topk(torch.randn(1, E), bias, 6, 2.5)
@@ -451,12 +456,15 @@ def _capture_launched(mod, sink: list) -> None:
 def compile_only() -> int:
     from triton.backends.compiler import GPUTarget
 
-    from ds4.kernels import matmul, matvec, moe
+    from ds4.kernels import gemm, matmul, matvec, moe
 
     sink: list = []
-    for mod in (matvec, moe, matmul):
+    for mod in (matvec, moe, matmul, gemm):
         mod.use_triton = lambda t: True
         _capture_launched(mod, sink)
+    gemm.linear_f32(torch.randn(256, 4096), torch.randn(1024, 4096))
+    for dt in (torch.float32, torch.bfloat16):
+        matmul.gather_sum(torch.randn(12, 4096).to(dt), torch.randint(0, 12, (4, 6)))
     gen = torch.Generator().manual_seed(0)
     k, n = 512, 64
     for qt in (Q8, F16, Q2K, Q4K, IQ2):
