@@ -55,6 +55,10 @@ HC_FINISH_WARPS = int(os.environ.get("DS4_HC_FINISH_WARPS", "0"))
 HC_ROWS_MIN = int(os.environ.get("DS4_HC_ROWS_MIN", "64"))
 HC_ROWS_BT = 64  # rows per program of _hc_mix_rows
 HC_ROWS_WARPS = 4  # its warps (sm_90 build at 64 rows: 207 registers a thread)
+# The finish kernel's warps from HC_ROWS_MIN rows (0: as HC_FINISH_WARPS). Prefill launches thousands of its
+# one-row programs, so fewer warps each may fill the GPU better; at 8192 rows it took 76 ms of an 8k prefill
+# with 16 (session 9 profile). Not yet timed: tools/gpu/bench_prefill_f32.py sweeps it.
+HC_FINISH_ROWS_WARPS = int(os.environ.get("DS4_HC_FINISH_ROWS_WARPS", "0"))
 HC_ROWS_BK = 64  # K elements per step of its loop
 HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs
 HC_ROWS_PREC = os.environ.get("DS4_HC_ROWS_PREC", "tf32x3")
@@ -237,7 +241,7 @@ def hc_pre_fused(
             S, d, NS, iters, float(rms_eps), float(hc_eps),
             HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S), BD=BD,
             BNS=min(32, triton.next_power_of_2(NS)), ONE_PASS=BD >= d, launch_pdl=PDL,
-            num_warps=HC_FINISH_WARPS or (16 if BD >= 4096 else 4),
+            num_warps=(rows and HC_FINISH_ROWS_WARPS) or HC_FINISH_WARPS or (16 if BD >= 4096 else 4),
         )  # fmt: skip
     return x, post, comb
 

@@ -71,13 +71,15 @@ def hc() -> None:
     cases = [("per row", 0, "ieee", 32, 4), ("rows ieee bt32", 64, "ieee", 32, 4)]
     cases += [(f"rows tf32x3 bt{bt} w{wp}", 64, "tf32x3", bt, wp) for bt, wp in ((32, 4), (64, 4), (64, 8),
                                                                                 (128, 8))]  # fmt: skip
-    for label, rows, prec, bt, wp in cases:
+    cases += [(f"rows tf32x3 bt64 w4, finish w{fw}", 64, "tf32x3", 64, 4, fw) for fw in (4, 8)]
+    for label, rows, prec, bt, wp, *fw in cases:
         fused.HC_ROWS_MIN, fused.HC_ROWS_PREC, fused.HC_ROWS_BT, fused.HC_ROWS_WARPS = rows, prec, bt, wp
+        fused.HC_FINISH_ROWS_WARPS = fw[0] if fw else 0
         got = fused.hc_pre_fused(*args)[0]
         err = float((got - want).abs().max() / want.abs().max())
         t = timed(lambda: fused.hc_pre_fused(*args))
         gbs = X.numel() * 4 / t / 1e3
-        print(f"hc_pre {label:<22} {t:8.1f} us {gbs:6.0f} GB/s of X  vs per row {err:.1e}")
+        print(f"hc_pre {label:<32} {t:8.1f} us {gbs:6.0f} GB/s of X  vs per row {err:.1e}")
 
 
 if __name__ == "__main__":
