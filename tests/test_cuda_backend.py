@@ -326,3 +326,22 @@ def test_cuda_decode_replays_are_repeatable(official_gguf):
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     (ta, la), (tb, lb) = alone(), alone()
     assert ta == tb and torch.equal(la, lb)
+
+
+def test_step_memo_shares_ring_rows_within_one_step_only() -> None:
+    """layer.ring_and_count inside step_memo(): one computation per (window, ratio) for all layers of a step,
+    the same values as computed alone; a new step (a new graph body) computes afresh."""
+    from ds4.model.cuda import layer
+
+    slot, pos = torch.tensor([0, 2]), torch.tensor([5, 300])
+    alone = layer.ring_and_count(slot, pos, 128, 4)
+    assert alone[0].tolist() == [5, 2 * 128 + 300 % 128] and alone[1].tolist() == [1, 75]
+    with layer.step_memo():
+        a = layer.ring_and_count(slot, pos, 128, 4)
+        b = layer.ring_and_count(slot, pos, 128, 4)
+        c = layer.ring_and_count(slot, pos, 128, 128)
+        assert a[0] is b[0] and a[1] is b[1] and c[1] is not a[1]
+        assert torch.equal(a[0], alone[0]) and torch.equal(a[1], alone[1]) and c[1].tolist() == [0, 2]
+    with layer.step_memo():
+        assert layer.ring_and_count(slot, pos, 128, 4)[0] is not a[0]
+    assert layer.ring_and_count(slot, pos, 128, 4)[0] is not a[0]

@@ -25,7 +25,7 @@ from ds4.config import ModelConfig
 from ds4.model.block import Block, load_layer
 from ds4.model.cuda import fused
 from ds4.model.cuda.batch import decode_layer_batch
-from ds4.model.cuda.layer import SideMatrices, hmatvec, lin, prefill_layer, qmatvec
+from ds4.model.cuda.layer import SideMatrices, hmatvec, lin, prefill_layer, qmatvec, step_memo
 from ds4.model.cuda.state import DeviceKVState, KVPool
 from ds4.model.cuda.weights import QLinear, RawSource, WeightStore
 from ds4.model.hc import HCWeights, hc_head
@@ -211,8 +211,9 @@ class CudaModel:
         bound: pos < bound (tokens), or None (ctx_bound)."""
         X = self._embed(token)
         slot = torch.zeros_like(pos)  # the single state is slot 0 of a one-slot pool for the decode kernels
-        for blk, kv in zip(self.layers, state.layers, strict=True):
-            X = decode_layer_batch(blk, kv.as_pool(), X, token, pos, slot, bound)
+        with step_memo():
+            for blk, kv in zip(self.layers, state.layers, strict=True):
+                X = decode_layer_batch(blk, kv.as_pool(), X, token, pos, slot, bound)
         return self.logits(X)
 
     def _decode(self, state: DeviceKVState, token: int) -> torch.Tensor:
@@ -262,8 +263,9 @@ class CudaModel:
         bound: every pos < bound (tokens), or None (ctx_bound)."""
         slot, token, pos = inputs[0], inputs[1], inputs[2]
         X = self._embed(token)  # [B, S, d]
-        for blk, kv in zip(self.layers, pool.layers, strict=True):
-            X = decode_layer_batch(blk, kv, X, token, pos, slot, bound)
+        with step_memo():
+            for blk, kv in zip(self.layers, pool.layers, strict=True):
+                X = decode_layer_batch(blk, kv, X, token, pos, slot, bound)
         return self.logits(X)
 
     @torch.inference_mode()
