@@ -234,3 +234,40 @@ def test_flash_shapes_cuda(r: int, h: int, indexer: bool) -> None:
     _check_against(got, want, args, 64, indexer, f"flash r={r} h={h}", skip=(5,))
     twin = _run(ref.compress_decode, args, 64, indexer, "cpu")
     _check_against(got, twin, args, 64, indexer, f"flash twin r={r} h={h}", skip=(5,))
+
+
+def _fp4_steps(want: torch.Tensor) -> torch.Tensor:
+    """The largest FP4 step of each value's 32-block: 2 * 2^ceil(log2(amax / 6)) (E2M1 spacing <= 2)."""
+    from ds4.model.quantsim import pow2_ceil
+
+    blocks = want.unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    return (2 * pow2_ceil(amax / 6.0)).expand_as(blocks).flatten(-2)
+
+
+@pytest.mark.parametrize(("B", "Hi", "D", "R"), [(3, 4, 128, 64), (2, 3, 64, 16)])
+def test_indexer_q(B: int, Hi: int, D: int, R: int) -> None:
+    """compress.indexer_q = indexer_qat(rope_tail(qi)): bit-exact where the RoPE is the identity (pos 0);
+    elsewhere cos / sin may differ by an ulp, which moves an FP4 value by at most one step, rarely."""
+    from ds4.model.quantsim import indexer_qat
+    from ds4.model.rope import rope_tail
+
+    g = torch.Generator().manual_seed(D + R)
+    scale = torch.exp2(torch.randint(-3, 4, (B, Hi, 1), generator=g).float())  # blocks of several binades
+    qi = torch.randn(B, Hi, D, generator=g) * scale
+    inv = rope_inv_freq(R, 10000.0, orig_ctx=4096, factor=16.0)
+    zero = torch.zeros(B, dtype=torch.long)
+    got0 = compress.indexer_q(qi.to(DEVICE), zero.to(DEVICE), inv.to(DEVICE)).cpu()
+    assert got0.shape == (B, Hi, D) and torch.equal(got0, indexer_qat(qi))
+    pos = torch.tensor([5, 65535, 4099])[:B]
+    want = indexer_qat(rope_tail(qi, pos, inv))
+    got = compress.indexer_q(qi.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE)).cpu()
+    off = got != want
+    assert int(off.sum()) <= max(2, off.numel() // 100), f"{int(off.sum())} of {off.numel()} FP4 values moved"
+    assert bool(((got - want).abs() <= _fp4_steps(want) + 1e-30).all())
+    twin = ref.indexer_q(qi, pos, inv)
+    assert int((twin != want).sum()) <= max(2, off.numel() // 100)
+    got16 = compress.indexer_q(qi.bfloat16().to(DEVICE), zero.to(DEVICE), inv.to(DEVICE)).cpu()
+    assert torch.equal(got16, indexer_qat(qi.bfloat16().float()))  # bf16 input: widened on load
+    with pytest.raises(ValueError, match="power of two"):
+        compress.indexer_q(qi[..., :48], pos, inv)

@@ -297,4 +297,48 @@ def compress_decode(
     )  # fmt: skip
 
 
-__all__ = ["compress_decode"]
+# ---------------------------------------------------------------------------------------------------------
+# The indexer's query: the same RoPE + Hadamard + FP4 as its rows (model.md §7), one launch.
+
+
+@triton.jit
+def _indexer_q_kernel(
+    q_ptr, out_ptr, pos_ptr, inv_ptr, Hi, hscale, fp4_floor,
+    D: tl.constexpr, NROT: tl.constexpr, LOG2D: tl.constexpr,
+):  # fmt: skip
+    """Program row = b Hi + h: out[row] = indexer_qat(rope_tail(q[row], pos[b])) (D a power of two)."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, D)
+    y = tl.load(q_ptr + row * D + col).to(tl.float32)
+    ya, yb = tl.split(tl.reshape(y, (D // 2, 2)))  # adjacent pairs (2i, 2i + 1)
+    jr = tl.arange(0, D // 2) - (D - NROT) // 2  # pair index inside the RoPE tail
+    rot = jr >= 0
+    ang = tl.load(pos_ptr + row // Hi).to(tl.float32) * tl.load(inv_ptr + jr, mask=rot, other=0.0)
+    cs = tl.cos(ang)
+    sn = tl.sin(ang)
+    y = tl.reshape(tl.join(tl.where(rot, ya * cs - yb * sn, ya), tl.where(rot, ya * sn + yb * cs, yb)), (D,))
+    tl.store(out_ptr + row * D + col, _hadamard_fp4_row(y, D, LOG2D, hscale, fp4_floor))
+
+
+def indexer_q(qi: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """qi [B, Hi, Di] (any float dtype) -> indexer_qat(rope_tail(qi, pos, inv_freq)) [B, Hi, Di] f32: RoPE on
+    the last 2 len(inv_freq) dims, Hadamard-Di, FP4 E2M1 round trip (32-blocks); pos [B] int; Di a power of
+    two >= 32. Exact as compress_decode's rows: cos / sin may differ from torch's by an ulp."""
+    _check(qi.ndim == 3, f"indexer_q: qi must be [B, Hi, Di], got {tuple(qi.shape)}")
+    B, Hi, D = qi.shape
+    R = 2 * inv_freq.numel()
+    _check(D >= FP4_BLOCK and D & (D - 1) == 0, f"indexer_q: Di must be a power of two >= 32, got {D}")
+    _check(0 < R <= D and pos.numel() == B, f"indexer_q: need 2 * len(inv_freq) in 1..{D} and pos [{B}]")
+    if not _use_triton(qi):
+        return ref.indexer_q(qi, pos, inv_freq)
+    out = torch.empty(B, Hi, D, device=qi.device, dtype=torch.float32)
+    if B * Hi:
+        _indexer_q_kernel[(B * Hi,)](
+            qi.contiguous(), out, pos.contiguous(), inv_freq.float().contiguous(), Hi, float(D**-0.5),
+            FP4_AMAX_FLOOR, D=D, NROT=R, LOG2D=D.bit_length() - 1, num_warps=4, launch_pdl=PDL,
+        )  # fmt: skip
+    return out
+
+
+__all__ = ["compress_decode", "indexer_q"]

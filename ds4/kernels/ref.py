@@ -302,6 +302,13 @@ def q_norm_rope(q, pos, inv_freq, eps: float):
     return _rope(_rms(q.float(), eps), pos, inv_freq)
 
 
+def indexer_q(qi, pos, inv_freq):
+    """compress.indexer_q's twin: RoPE of the tail, then the reference model's indexer QAT (Hadamard, FP4)."""
+    from ds4.model.quantsim import indexer_qat  # lazy: this module stays free of model imports at load
+
+    return indexer_qat(_rope(qi.float(), pos, inv_freq))
+
+
 def o_unrope(o, pos, inv_freq, dtype: torch.dtype):
     """o [B, H, D]: RoPE on the last R dims by the negated angle (the inverse rotation), cast to dtype."""
     return _rope(o.float(), -pos, inv_freq).to(dtype)

@@ -456,12 +456,16 @@ def _capture_launched(mod, sink: list) -> None:
 def compile_only() -> int:
     from triton.backends.compiler import GPUTarget
 
-    from ds4.kernels import gemm, matmul, matvec, moe
+    from ds4.kernels import compress, gemm, matmul, matvec, moe
 
     sink: list = []
     for mod in (matvec, moe, matmul, gemm):
         mod.use_triton = lambda t: True
         _capture_launched(mod, sink)
+    compress._use_triton = lambda t: True
+    compress._indexer_q_kernel = _Capture(compress._indexer_q_kernel, sink)
+    for dt in (torch.float32, torch.bfloat16):
+        compress.indexer_q(torch.randn(2, 64, 128).to(dt), torch.zeros(2, dtype=torch.long), torch.rand(32))
     gemm.linear_f32(torch.randn(256, 4096), torch.randn(1024, 4096))
     for dt in (torch.float32, torch.bfloat16):
         matmul.gather_sum(torch.randn(12, 4096).to(dt), torch.randint(0, 12, (4, 6)))

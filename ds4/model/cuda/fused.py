@@ -33,9 +33,10 @@ FP8_BLOCK = 64
 # torch twins (ds4/kernels/ref.py), so the CPU tests exercise this wiring too. Env DS4_TRITON_FUSED=0: off.
 TRITON_FUSED = os.environ.get("DS4_TRITON_FUSED", "1") != "0"
 try:
+    from ds4.kernels import compress as _kc
     from ds4.kernels import fused as _kf
 except ImportError:  # pragma: no cover - no triton
-    TRITON_FUSED, _kf = False, None
+    TRITON_FUSED, _kf, _kc = False, None, None
 
 
 class _Switch:
@@ -170,8 +171,18 @@ def _kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int):
     return _fp8_nope(rope_real(rms_norm(kv, kv_norm, eps), pos, inv_freq), n_rot)
 
 
-@fuse
 def indexer_q_post(qi, pos, inv_freq):
+    """qi [B, Hi, Di]: RoPE of the tail, then the indexer QAT (Hadamard + FP4): one Triton launch
+    (ds4.kernels.compress.indexer_q) when on and Di is a power of two, else the torch chain (compiled: ~5
+    kernels)."""
+    D = qi.shape[-1]
+    if TRITON_FUSED and _kc is not None and D >= 32 and D & (D - 1) == 0:
+        return _kc.indexer_q(qi, pos, inv_freq)
+    return _indexer_q_post(qi, pos, inv_freq)
+
+
+@fuse
+def _indexer_q_post(qi, pos, inv_freq):
     return indexer_qat(rope_real(qi, pos, inv_freq))
 
 

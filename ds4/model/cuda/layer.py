@@ -169,8 +169,11 @@ def _finish_rows(w: CompressorWeights, pooled, starts, inv_freq, eps, n_rot: int
 def _indexer_query(w, qn, xn, positions, inv_freq):
     """qi [T, Hi, Di] (QAT'd) and head weights [T, Hi] (model.md §7)."""
     n_heads, dim = w.proj.shape[0], w.compressor.norm.numel()
-    qi = lin(qn, w.q_b).unflatten(-1, (n_heads, dim))
-    qi = indexer_qat(rope_tail(qi, positions, inv_freq))
+    if PREFILL_FUSED and fused.TRITON_FUSED and dim >= 32 and dim & (dim - 1) == 0:  # decode's kernel
+        qi = lin(qn, w.q_b, keep=True).unflatten(-1, (n_heads, dim))  # bf16: widened on load
+        qi = fused.indexer_q_post(qi, positions, inv_freq)
+    else:
+        qi = indexer_qat(rope_tail(lin(qn, w.q_b).unflatten(-1, (n_heads, dim)), positions, inv_freq))
     wts = lin(xn, w.proj) * (dim**-0.5 * n_heads**-0.5)
     return qi, wts
 
