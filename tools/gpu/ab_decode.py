@@ -22,6 +22,8 @@ Variants (each the other side of an engine default; env names in brackets):
   moe no prmt     moe.GATE_UP.prmt off      (DS4_MOE_PRMT=0) gate/up: the 8-byte grid rows + sign math
   moe grid16      moe.GATE_UP.grid16        (DS4_MOE_PRMT=0 DS4_MOE_GRID16=1) gate/up: 16-bit grid codes
   moe down s2     moe.DOWN.splits = 2       two programs per down row tile (bench_moe B = 1: 21.4 -> 18.5 us)
+  no step memo    layer.STEP_MEMO off       (DS4_STEP_MEMO=0) each layer computes its ring rows / counts
+  indexer q torch INDEXER_Q_KERNEL off      (DS4_INDEXER_Q_KERNEL=0) the compiled torch chain for qi's QAT
   moe prmt math   moe.GATE_UP.sign_math     (DS4_MOE_SIGN_MATH=1) gate/up prmt: sign nibbles computed
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
@@ -44,6 +46,7 @@ import torch  # noqa: E402
 from ds4.bench import synthetic_model  # noqa: E402
 from ds4.kernels import attend, dispatch, fused, moe  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
+from ds4.model.cuda import fused as cfused  # noqa: E402
 from ds4.model.cuda import layer, streams  # noqa: E402
 
 BASE_Q8 = mv.Q8_MV1
@@ -60,6 +63,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "moe grid16": {(moe, "GATE_UP"): replace(moe.GATE_UP, prmt=False, sign_math=True, grid16=True)},
     "moe prmt math": {(moe, "GATE_UP"): replace(moe.GATE_UP, sign_math=True)},
     "moe down s2": {(moe, "DOWN"): replace(moe.DOWN, splits=2)},
+    "no step memo": {(layer, "STEP_MEMO"): False},
+    "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),

@@ -171,12 +171,17 @@ def _kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int):
     return _fp8_nope(rope_real(rms_norm(kv, kv_norm, eps), pos, inv_freq), n_rot)
 
 
+# The indexer query's QAT by ds4.kernels.compress.indexer_q (one launch) rather than the compiled torch chain;
+# not yet timed on a GPU. Env DS4_INDEXER_Q_KERNEL=0: the torch chain.
+INDEXER_Q_KERNEL = os.environ.get("DS4_INDEXER_Q_KERNEL", "1") != "0"
+
+
 def indexer_q_post(qi, pos, inv_freq):
     """qi [B, Hi, Di]: RoPE of the tail, then the indexer QAT (Hadamard + FP4): one Triton launch
     (ds4.kernels.compress.indexer_q) when on and Di is a power of two, else the torch chain (compiled: ~5
     kernels)."""
     D = qi.shape[-1]
-    if TRITON_FUSED and _kc is not None and D >= 32 and D & (D - 1) == 0:
+    if INDEXER_Q_KERNEL and TRITON_FUSED and _kc is not None and D >= 32 and D & (D - 1) == 0:
         return _kc.indexer_q(qi, pos, inv_freq)
     return _indexer_q_post(qi, pos, inv_freq)
 

@@ -259,6 +259,7 @@ def _ring_and_count(slot, pos, window: int, ratio: int):
 
 
 _STEP_MEMO: dict | None = None
+STEP_MEMO = os.environ.get("DS4_STEP_MEMO", "1") != "0"  # off: each layer computes its own (A/B timing)
 
 
 @contextlib.contextmanager
@@ -267,7 +268,7 @@ def step_memo() -> Iterator[None]:
     once for all layers (ring_and_count: 2 launches a layer, 86 a step, down to 2 per distinct ratio). A
     fresh memo per step body, so a CUDA graph never reads a tensor that another graph's replay writes."""
     global _STEP_MEMO
-    outer, _STEP_MEMO = _STEP_MEMO, {}
+    outer, _STEP_MEMO = _STEP_MEMO, ({} if STEP_MEMO else None)
     try:
         yield
     finally:
