@@ -82,3 +82,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the interpreter-mode kernel runs of the selected test_kernels_interpreted items in the
+    background (tests/_interp_runner.py): they use the core the main process leaves idle."""
+    if cuda_available():
+        return
+    mods = [it.callspec.params["module"] for it in session.items
+            if it.module.__name__ == "test_kernels_interpreted" and hasattr(it, "callspec")]  # fmt: skip
+    if mods and not session.config.option.collectonly:
+        import _interp_runner
+
+        _interp_runner.start(mods)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    runner = sys.modules.get("_interp_runner")
+    if runner is not None:
+        runner.stop()

@@ -2,21 +2,16 @@
 
 TRITON_INTERPRET must be set before any kernel module is imported, which cannot be guaranteed inside the
 main test process (other tests import ds4.kernels for the CPU twins), so the kernel test modules skip
-themselves there and run here in a fresh interpreter-mode pytest. On a GPU they run directly, compiled,
-and this test skips.
+themselves there and run here in a fresh interpreter-mode pytest, one module at a time on a spare core from
+the end of collection on (_interp_runner). On a GPU they run directly, compiled, and this test skips.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import _interp_runner
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
 MODULES = [
     "test_kernels_quant.py",
     "test_kernels_moe.py",
@@ -35,9 +30,7 @@ MODULES = [
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU present: the kernel tests run compiled, directly")
 @pytest.mark.parametrize("module", MODULES)
 def test_kernels_under_interpreter(module: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / module)]
-    out = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=900)
-    tail = (out.stdout + out.stderr)[-4000:]
-    assert out.returncode == 0, tail
-    assert " passed" in out.stdout and " failed" not in out.stdout, tail
+    code, out = _interp_runner.result(module)  # started in the background at collection (_interp_runner)
+    tail = out[-4000:]
+    assert code == 0, tail
+    assert " passed" in out and " failed" not in out, tail
