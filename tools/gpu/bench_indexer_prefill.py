@@ -22,16 +22,17 @@ the second shape are skipped once BUDGET seconds have passed.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from gpu_timing import median_us  # noqa: E402
 
 from ds4.kernels import indexer_prefill as ip  # noqa: E402
 from ds4.kernels import ref  # noqa: E402
@@ -59,21 +60,13 @@ def say(msg: str) -> None:
 
 def time_us(fn, reps: int = REPS) -> float:
     """Median us per call over reps calls, each between two CUDA events (after WARMUP calls)."""
+    if DEV == "cuda":
+        return median_us(fn, reps, WARMUP)
     for _ in range(WARMUP):
         fn()
-    if DEV != "cuda":  # --smoke: one untimed-quality wall-clock call
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    t = time.perf_counter()  # --smoke: one untimed-quality wall-clock call
+    fn()
+    return (time.perf_counter() - t) * 1e6
 
 
 def inputs(C: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,13 +10,14 @@ and the per-row mixing: us and GB/s of X read.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from gpu_timing import median_us  # noqa: E402
 
 from ds4.kernels import fused, gemm  # noqa: E402
 
@@ -28,17 +29,8 @@ TILES = [(128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 6
          (64, 64, 32, 4, 5), (128, 64, 32, 4, 5)]  # fmt: skip
 
 
-def timed(fn, reps: int = 7) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+def timed(fn) -> float:
+    return median_us(fn, reps=7, warmup=1)
 
 
 def linear() -> None:

@@ -7,25 +7,20 @@ Launch: torchrun --standalone --nproc-per-node 2 tools/gpu/nccl_probe.py  (NCCL_
 from __future__ import annotations
 
 import os
-import statistics
+import sys
+from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (device README)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
+from gpu_timing import median_us
 
 
 def timed(fn, reps: int = 50) -> float:
     """Median microseconds of fn() over reps, CUDA events."""
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1000)
-    return statistics.median(out)
+    return median_us(fn, reps)
 
 
 def main() -> None:
