@@ -117,8 +117,9 @@ def dense_dtype(w: torch.Tensor | QLinear) -> torch.dtype:
 
 # Prefill's per-token chains through the decode step's Triton kernels (ds4.kernels.fused): q's per-head norm +
 # RoPE (q_norm_rope, reading the bf16 GEMM output), kv's norm + RoPE + FP8 (kv_norm_rope_fp8), the attention
-# output's inverse RoPE + bf16 cast (o_unrope), each one launch over the chunk instead of torch chains that
-# pass the chunk's [T, H, D] q / o (1 GiB in f32 at 8192 tokens) through memory 5-8 times. The same math
+# output's inverse RoPE + bf16 cast (o_unrope), the indexer query's RoPE + Hadamard + FP4
+# (compress.indexer_q), each one launch over the chunk instead of torch chains that pass the chunk's
+# [T, H, D] q / o (1 GiB in f32 at 8192 tokens) through memory 5-8 times. The same math
 # (the decode step uses these kernels). Off (or without TRITON_FUSED): the torch ops. Env DS4_PREFILL_FUSED.
 PREFILL_FUSED = os.environ.get("DS4_PREFILL_FUSED", "1") != "0"
 
