@@ -32,9 +32,11 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from gpu_timing import median_us  # noqa: E402
 
 from ds4.kernels import moe, ref  # noqa: E402
 from ds4.kernels.packing import pack  # noqa: E402
@@ -172,17 +174,7 @@ def time_calls(calls) -> tuple[float, str]:
                 c()
 
         how = "eager"
-    for _ in range(WARMUP):
-        run()
-    ts = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3 / len(calls))
-    return statistics.median(ts), how
+    return median_us(run, REPS, WARMUP) * 1e-6 / len(calls), how
 
 
 def check(b: int, small) -> dict[str, tuple[float, float | None]]:
