@@ -227,8 +227,6 @@ def gather_sum(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     if T and D:
         grid = (T, triton.cdiv(D, GATHER_SUM_BD))
         _gather_sum_kernel[grid](rows.contiguous(), pos.contiguous(), out, D, K=k, BD=GATHER_SUM_BD)
-    elif T:
-        out.zero_()
     return out
 
 
