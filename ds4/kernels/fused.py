@@ -57,8 +57,9 @@ HC_ROWS_BT = 64  # rows per program of _hc_mix_rows
 HC_ROWS_WARPS = 4  # its warps (sm_90 build at 64 rows: 207 registers a thread)
 # The finish kernel's warps from HC_ROWS_MIN rows (0: as HC_FINISH_WARPS). Prefill launches thousands of its
 # one-row programs, so fewer warps each may fill the GPU better; at 8192 rows it took 76 ms of an 8k prefill
-# with 16 (session 9 profile). Not yet timed: tools/gpu/bench_prefill_f32.py sweeps it.
-HC_FINISH_ROWS_WARPS = int(os.environ.get("DS4_HC_FINISH_ROWS_WARPS", "0"))
+# with 16 (session 9 profile). H200, hc_pre_fused at 8192 rows (tools/gpu/bench_prefill_f32.py, session 10):
+# finish at 8 warps 702.4 us, at 4 762.3, at the default 16 766.5.
+HC_FINISH_ROWS_WARPS = int(os.environ.get("DS4_HC_FINISH_ROWS_WARPS", "8"))
 HC_ROWS_BK = 64  # K elements per step of its loop
 HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs
 HC_ROWS_PREC = os.environ.get("DS4_HC_ROWS_PREC", "tf32x3")

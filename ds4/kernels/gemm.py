@@ -23,8 +23,10 @@ from .dispatch import require, use_triton
 # Program tile: N is 64..1024 for these weights, M a prefill chunk. H200 (tools/gpu/bench_prefill_f32.py,
 # session 9; M = 8192, K = 4096): this tile was the fastest of 6, N = 256 / 512 / 1024 303.7 / 531.3 /
 # 1,048.5 us (65.5 TFLOP/s) against cuBLAS f32 442.7 / 740.4 / 1,431.2 us (48.0), 5-6e-7 off an f64 product.
+# Session 10 (same bench, 10 tiles): 5 stages instead of 3 is faster at every N, 288.1 / 520.7 / 976.6 us vs
+# 306.9 / 533.1 / 977.9 (70.4 TFLOP/s at N = 1024; cuBLAS f32 48.6).
 BM, BN, BK = 128, 64, 32
-WARPS, STAGES = 4, 3
+WARPS, STAGES = 4, 5
 GROUP_M = 8  # row tiles swept per column tile before moving on (L2 reuse of w)
 
 
