@@ -61,11 +61,20 @@ def _check_hc_pre(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool
     assert float((comb.cpu().double() - cr).abs().max()) < 2e-5
 
 
-@pytest.mark.parametrize("B,S,d", [(1, 4, 64), (3, 3, 40), (2, 1, 200)])
+@pytest.mark.parametrize("B,S,d", [(1, 4, 64), (3, 3, 40), (2, 1, 200), (3, 4, 200)])
 @pytest.mark.parametrize("fn_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_hc_pre_fused(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool) -> None:
     _check_hc_pre(B, S, d, fn_dtype, with_norm, seed=B * 10 + S)  # rows of <= HC_FINISH_BD: one pass
+
+
+@pytest.mark.parametrize("scalar", [True, False], ids=["scalar", "tile"])
+@pytest.mark.parametrize("B,d", [(1, 64), (5, 300)])
+def test_hc_pre_fused_finish4(monkeypatch, scalar: bool, B: int, d: int) -> None:
+    """S = 4 (Flash): the finish with scalar logits (_hc_pre_finish4) and the tile form, vs the f64 oracle."""
+    monkeypatch.setattr(fused, "HC_FINISH_SCALAR", scalar)
+    _check_hc_pre(B, 4, d, torch.float32, True, seed=B + d)
+    _check_hc_pre(B, 4, d, torch.float16, False, seed=B + d + 1)
 
 
 @pytest.mark.parametrize(

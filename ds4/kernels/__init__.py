@@ -21,6 +21,7 @@ f32; ids are read on the device (no host syncs: CUDA-graph capturable once the k
   attend_prefill.attend_prefill(q [T, H, D], raw, comp rows by index, ...) -> o [T, H, D]       prefill
   compress.compress_decode(kv, score, ape, frontiers [S, ...], rows [S, cap, h], slot, pos, ...)  in place
   fused.*: HC pre/post, q / kv norm + RoPE (+ FP8), router top-k                              decode
+  topk.top_rows(score [B, n], k) -> [B, k]  the indexer's top-k by tl.topk (off: slower than the sort)
 Supported weight types: F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS (row length a multiple of 256 for K-quants,
 of 16 otherwise).
 """

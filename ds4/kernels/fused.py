@@ -60,6 +60,14 @@ HC_ROWS_WARPS = 4  # its warps (sm_90 build at 64 rows: 207 registers a thread)
 # with 16 (session 9 profile). H200, hc_pre_fused at 8192 rows (tools/gpu/bench_prefill_f32.py, session 10):
 # finish at 8 warps 702.4 us, at 4 762.3, at the default 16 766.5.
 HC_FINISH_ROWS_WARPS = int(os.environ.get("DS4_HC_FINISH_ROWS_WARPS", "8"))
+# The finish for S = 4 streams (Flash) with its mixing logits as scalars (_hc_pre_finish4): every thread
+# runs the 4 x 4 Sinkhorn on its own copy, so its 2 * iters normalisations need no cross-thread reduction
+# (the tile form, sinkhorn_tile over a [4, 4] tensor spread over 16 warps, has a barrier in each of its ~40
+# sums). Same operations in the same order up to the association of each 4-term sum. Measured slower: on
+# the H200 (session 11, profile_regions.py 8192) 14.7 us a call vs 10.3 for the tile form, whole model at 4k
+# ctx 98.33 vs 101.93 tok/s (ab_decode.py, both rounds alike): the 320 serial correctly rounded divisions per
+# thread cost more than the barriers. Off; env DS4_HC_FINISH_SCALAR=1: on.
+HC_FINISH_SCALAR = os.environ.get("DS4_HC_FINISH_SCALAR", "0") == "1"
 HC_ROWS_BK = 64  # K elements per step of its loop
 HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs
 HC_ROWS_PREC = os.environ.get("DS4_HC_ROWS_PREC", "tf32x3")
@@ -190,6 +198,112 @@ def _hc_pre_finish(
             tl.store(out_ptr + b * D + d0 + dd, xv * rn * w, mask=dm)
 
 
+@triton.jit
+def _sum4(a, b, c, d):
+    return (a + b) + (c + d)
+
+
+@triton.jit
+def _div4(a, b, c, d, s):
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _store4(ptr, a, b, c, d):
+    tl.store(ptr, a)
+    tl.store(ptr + 1, b)
+    tl.store(ptr + 2, c)
+    tl.store(ptr + 3, d)
+
+
+@triton.jit
+def _row_softmax4(a, b, c, d, eps):
+    """sinkhorn_tile's first step on one row: softmax + eps."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
+    s = _sum4(a, b, c, d)
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _mix(mix_ptr, j, rs, scale, base_ptr):
+    """Mixing logit j of the row (mix_ptr: its BM sums) times rs * scale, plus its base."""
+    return tl.load(mix_ptr + j) * rs * scale + tl.load(base_ptr + j)
+
+
+@triton.jit
+def _hc_pre_finish4(
+    x_ptr, pmix_ptr, pss_ptr, mix_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
+    D, NS, iters, rms_eps, hc_eps,
+    HAS_NORM: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BNS: tl.constexpr,
+):  # fmt: skip
+    """_hc_pre_finish for S = 4 and one tile (BD >= D), the logits as scalars (see HC_FINISH_SCALAR):
+    the row's BM mixing sums go through mix_ptr [B, BM] (stored, a barrier, read back as scalars)."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    b = tl.program_id(0)
+    K = 4 * D
+    n = tl.arange(0, BNS)
+    ss = tl.zeros([BNS], tl.float32)
+    for n0 in range(0, NS, BNS):
+        ss += tl.load(pss_ptr + b * NS + n0 + n, mask=(n0 + n) < NS, other=0.0)
+    rs = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + rms_eps)
+    mi = tl.arange(0, BM)
+    mrow = mix_ptr + b * BM
+    tl.store(mrow + mi, _sum_partials(pmix_ptr, b, NS, BM, mi, mi < 24, BNS))
+    tl.debug_barrier()  # the sums are read back below by every thread
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    p0 = tl.sigmoid(_mix(mrow, 0, rs, s0, base_ptr)) + hc_eps
+    p1 = tl.sigmoid(_mix(mrow, 1, rs, s0, base_ptr)) + hc_eps
+    p2 = tl.sigmoid(_mix(mrow, 2, rs, s0, base_ptr)) + hc_eps
+    p3 = tl.sigmoid(_mix(mrow, 3, rs, s0, base_ptr)) + hc_eps
+    for j in tl.static_range(4):
+        tl.store(post_ptr + b * 4 + j, 2.0 * tl.sigmoid(_mix(mrow, 4 + j, rs, s1, base_ptr)))
+    # comb[r][c] = a{r}{c}: row softmax + eps, column norm, then (iters - 1) x (row, column) norms
+    a00, a01, a02, a03 = _row_softmax4(
+        _mix(mrow, 8, rs, s2, base_ptr), _mix(mrow, 9, rs, s2, base_ptr),
+        _mix(mrow, 10, rs, s2, base_ptr), _mix(mrow, 11, rs, s2, base_ptr), hc_eps,
+    )  # fmt: skip
+    a10, a11, a12, a13 = _row_softmax4(
+        _mix(mrow, 12, rs, s2, base_ptr), _mix(mrow, 13, rs, s2, base_ptr),
+        _mix(mrow, 14, rs, s2, base_ptr), _mix(mrow, 15, rs, s2, base_ptr), hc_eps,
+    )  # fmt: skip
+    a20, a21, a22, a23 = _row_softmax4(
+        _mix(mrow, 16, rs, s2, base_ptr), _mix(mrow, 17, rs, s2, base_ptr),
+        _mix(mrow, 18, rs, s2, base_ptr), _mix(mrow, 19, rs, s2, base_ptr), hc_eps,
+    )  # fmt: skip
+    a30, a31, a32, a33 = _row_softmax4(
+        _mix(mrow, 20, rs, s2, base_ptr), _mix(mrow, 21, rs, s2, base_ptr),
+        _mix(mrow, 22, rs, s2, base_ptr), _mix(mrow, 23, rs, s2, base_ptr), hc_eps,
+    )  # fmt: skip
+    for it in range(iters):
+        if it > 0:
+            a00, a01, a02, a03 = _div4(a00, a01, a02, a03, _sum4(a00, a01, a02, a03) + hc_eps)
+            a10, a11, a12, a13 = _div4(a10, a11, a12, a13, _sum4(a10, a11, a12, a13) + hc_eps)
+            a20, a21, a22, a23 = _div4(a20, a21, a22, a23, _sum4(a20, a21, a22, a23) + hc_eps)
+            a30, a31, a32, a33 = _div4(a30, a31, a32, a33, _sum4(a30, a31, a32, a33) + hc_eps)
+        a00, a10, a20, a30 = _div4(a00, a10, a20, a30, _sum4(a00, a10, a20, a30) + hc_eps)
+        a01, a11, a21, a31 = _div4(a01, a11, a21, a31, _sum4(a01, a11, a21, a31) + hc_eps)
+        a02, a12, a22, a32 = _div4(a02, a12, a22, a32, _sum4(a02, a12, a22, a32) + hc_eps)
+        a03, a13, a23, a33 = _div4(a03, a13, a23, a33, _sum4(a03, a13, a23, a33) + hc_eps)
+    cb = comb_ptr + b * 16
+    _store4(cb, a00, a01, a02, a03)
+    _store4(cb + 4, a10, a11, a12, a13)
+    _store4(cb + 8, a20, a21, a22, a23)
+    _store4(cb + 12, a30, a31, a32, a33)
+    # weighted sum of the unnormalised streams (+ the sublayer RMSNorm), the row in one tile
+    dd = tl.arange(0, BD)
+    dm = dd < D
+    xr = x_ptr + b * K + dd
+    xv = p0 * tl.load(xr, mask=dm, other=0.0).to(tl.float32)
+    xv += p1 * tl.load(xr + D, mask=dm, other=0.0).to(tl.float32)
+    xv += p2 * tl.load(xr + 2 * D, mask=dm, other=0.0).to(tl.float32)
+    xv += p3 * tl.load(xr + 3 * D, mask=dm, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rn = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / D + rms_eps)
+        xv = xv * rn * tl.load(norm_ptr + dd, mask=dm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * D + dd, xv, mask=dm)
+
+
 def hc_pre_fused(
     X: torch.Tensor,
     fn: torch.Tensor,
@@ -235,14 +349,22 @@ def hc_pre_fused(
         _hc_mix_partial[(B, NS)](
             X, fn.contiguous(), pmix, pss, K, M, NS, BM=BM, CHUNK=HC_CHUNK, num_warps=4, launch_pdl=PDL
         )
-    if B:
+    warps = (rows and HC_FINISH_ROWS_WARPS) or HC_FINISH_WARPS or (16 if BD >= 4096 else 4)
+    if B and S == 4 and BD >= d and HC_FINISH_SCALAR:
+        mix = torch.empty(B, BM, device=X.device, dtype=torch.float32)
+        _hc_pre_finish4[(B,)](
+            X, pmix, pss, mix, scale.float().contiguous(), base.float().contiguous(),
+            norm if norm is not None else x, x, post, comb, d, NS, iters, float(rms_eps), float(hc_eps),
+            HAS_NORM=norm is not None, BM=BM, BD=BD, BNS=min(32, triton.next_power_of_2(NS)),
+            launch_pdl=PDL, num_warps=warps,
+        )  # fmt: skip
+    elif B:
         _hc_pre_finish[(B,)](
             X, pmix, pss, scale.float().contiguous(), base.float().contiguous(),
             norm if norm is not None else x, x, post, comb,
             S, d, NS, iters, float(rms_eps), float(hc_eps),
             HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S), BD=BD,
-            BNS=min(32, triton.next_power_of_2(NS)), ONE_PASS=BD >= d, launch_pdl=PDL,
-            num_warps=(rows and HC_FINISH_ROWS_WARPS) or HC_FINISH_WARPS or (16 if BD >= 4096 else 4),
+            BNS=min(32, triton.next_power_of_2(NS)), ONE_PASS=BD >= d, launch_pdl=PDL, num_warps=warps,
         )  # fmt: skip
     return x, post, comb
 

@@ -426,3 +426,13 @@ def indexer_scores_prefill(qi, wts, rows, p0: int, ratio: int = 4):
         out[a:b] = torch.einsum("thc,th->tc", per_head, w[a:b])
     hidden = torch.arange(C, device=qi.device)[None, :] >= counts[:, None]  # [T, C]
     return out.masked_fill_(hidden, float("-inf"))
+
+
+# =========================================================================================================
+# Decode indexer top-k (topk.py)
+
+
+def top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
+    """score [B, n] -> [B, k] int64: indices of the k largest, ties to the lower index (a stable descending
+    sort, like the CPU reference's indexer)."""
+    return score.sort(dim=-1, descending=True, stable=True).indices[..., :k]

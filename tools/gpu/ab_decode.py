@@ -25,6 +25,8 @@ Variants (each the other side of an engine default; env names in brackets):
   no step memo    layer.STEP_MEMO off       (DS4_STEP_MEMO=0) each layer computes its ring rows / counts
   indexer q torch INDEXER_Q_KERNEL off      (DS4_INDEXER_Q_KERNEL=0) the compiled torch chain for qi's QAT
   moe prmt math   moe.GATE_UP.sign_math     (DS4_MOE_SIGN_MATH=1) gate/up prmt: sign nibbles computed
+  hc scalar       fused.HC_FINISH_SCALAR    (DS4_HC_FINISH_SCALAR=1) S = 4 finish: Sinkhorn on scalars
+  topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
 time it by running the tool once with DS4_PDL_EARLY=0 and once without.
@@ -64,6 +66,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "moe prmt math": {(moe, "GATE_UP"): replace(moe.GATE_UP, sign_math=True)},
     "moe down s2": {(moe, "DOWN"): replace(moe.DOWN, splits=2)},
     "no step memo": {(layer, "STEP_MEMO"): False},
+    "hc scalar": {(fused, "HC_FINISH_SCALAR"): True},
+    "topk kernel": {(layer, "TOPK_KERNEL"): True},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "half prefetch": {

@@ -45,8 +45,9 @@ except ImportError:  # pragma: no cover - kernels not installed
 try:  # decode attention / compressor kernels over pool-layout buffers (their torch twins on the CPU)
     from ds4.kernels import attend as attend_k
     from ds4.kernels import compress as compress_k
+    from ds4.kernels import topk as topk_k
 except ImportError:  # pragma: no cover - no triton
-    attend_k = compress_k = None
+    attend_k = compress_k = topk_k = None
 try:  # chunk prefill attention reading the gathered compressed rows in place (no [T, k, D] copies)
     from ds4.kernels.attend_prefill import attend_prefill
 except ImportError:  # pragma: no cover - no triton
@@ -337,7 +338,7 @@ def attention_decode_pool(
                 wts = (lin(xn, iw.proj) if parts[4] is None else parts[4]) * (dim**-0.5 * n_heads**-0.5)
                 score = attend_k.indexer_scores(qi, wts, kv.index, slot, count)  # [B, cap]
                 n = indexer_width(score.shape[1], shape.indexer_topk, r, bound)
-                pick = top_rows_by_keys if INDEXER_TOPK else _top_rows
+                pick = top_rows_by_keys if INDEXER_TOPK else topk_k.top_rows if TOPK_KERNEL else _top_rows
                 top = pick(score[:, :n], shape.indexer_topk)  # [B, k]
     q = q.join()  # [B, H, D]
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
@@ -394,6 +395,13 @@ def _top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
     often, e.g. at exactly 0 after the ReLU); a stable descending sort, like the CPU reference."""
     return score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
+
+# Decode's indexer top-k by the bitonic top-k kernel (ds4.kernels.topk: same indices, same order as the stable
+# sort). Measured slower: on the H200 (session 11) 69 us a call at 8k ctx vs the sort's 25 us radix kernel
+# (profile_regions.py 8192); whole model 98.72 (sort) vs 98.33 tok/s at 4k ctx, 88.11 vs 81.45 at 64k
+# (ab_decode.py, both rounds alike). Triton's tl.topk runs its bitonic network's cross-warp steps through
+# shared memory with a barrier each. Off; env DS4_TOPK_KERNEL=1: on. Read when a step is built.
+TOPK_KERNEL = os.environ.get("DS4_TOPK_KERNEL", "0") == "1"
 
 # Decode's indexer top-k by torch.topk over unique int64 keys (top_rows_by_keys) instead of a full stable
 # sort of every compressed row: same indices; not yet timed on a GPU. Env DS4_INDEXER_TOPK=1: on.

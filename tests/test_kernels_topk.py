@@ -1,0 +1,52 @@
+"""ds4.kernels.topk (the decode indexer's top-k) vs its twin, a stable descending sort: the same indices in
+the same order, on scores full of ties, -inf, signed zeros, subnormals and huge values; one round (n <= C)
+and several (n > C, chunk size shrunk so the interpreter stays quick)."""
+
+from __future__ import annotations
+
+import _kernel_env  # noqa: F401  (interpreter / GPU setup; skips this module in the plain CPU run)
+import pytest
+import torch
+from _kernel_env import DEVICE
+
+from ds4.kernels import ref, topk
+
+
+def _scores(B: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.round(torch.randn(B, n, generator=g) * 3) / 2  # quantized: many ties
+    s[torch.rand(B, n, generator=g) < 0.2] = float("-inf")
+    s[torch.rand(B, n, generator=g) < 0.1] = -0.0
+    s[:, :4] = torch.tensor([1e-40, -1e-40, 3.4e38, -3.4e38])
+    return s
+
+
+@pytest.mark.parametrize(
+    ("B", "n", "k", "chunk"),
+    [(1, 64, 16, 4096), (3, 100, 32, 4096), (2, 700, 8, 64), (2, 1000, 64, 128), (1, 32, 32, 4096)],
+    ids=["one", "pad", "rounds-3", "rounds-2", "k=n"],
+)
+def test_top_rows_equals_stable_sort(monkeypatch, B: int, n: int, k: int, chunk: int) -> None:
+    monkeypatch.setattr(topk, "TOPK_CHUNK", chunk)
+    s = _scores(B, n, seed=n + k).to(DEVICE)
+    got = topk.top_rows(s, k)
+    assert got.dtype == torch.int64 and got.shape == (B, k)
+    assert torch.equal(got.cpu(), ref.top_rows(s.cpu(), k))
+
+
+def test_top_rows_column_slice_and_random() -> None:
+    """A column slice of a wider buffer (the decode step ranks score[:, :n]) and distinct random scores."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(2, 300, generator=g)
+    s = wide.to(DEVICE)[:, :200]
+    assert torch.equal(topk.top_rows(s, 64).cpu(), ref.top_rows(wide[:, :200], 64))
+
+
+def test_top_rows_falls_back_and_rejects() -> None:
+    s = _scores(2, 50, seed=1).to(DEVICE)
+    assert not topk.supports(50, 12)  # k not a power of two: the twin
+    assert torch.equal(topk.top_rows(s, 12).cpu(), ref.top_rows(s.cpu(), 12))
+    with pytest.raises(ValueError, match="k <= n"):
+        topk.top_rows(s, 51)
+    with pytest.raises(ValueError, match="float32"):
+        topk.top_rows(s.double(), 4)
