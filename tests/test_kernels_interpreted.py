@@ -24,6 +24,7 @@ MODULES = [
     "test_kernels_attend_prefill.py",
     "test_kernels_indexer_prefill.py",
     "test_kernels_gemm.py",
+    "test_kernels_topk.py",
 ]
 
 
