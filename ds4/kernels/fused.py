@@ -217,8 +217,10 @@ def _store4(ptr, a, b, c, d):
 
 
 @triton.jit
-def _row_softmax4(a, b, c, d, eps):
-    """sinkhorn_tile's first step on one row: softmax + eps."""
+def _row_softmax4(mix_ptr, j, rs, scale, base_ptr, eps):
+    """sinkhorn_tile's first step on one row, the mixing logits j .. j + 3 (see _mix): softmax + eps."""
+    a, b = _mix(mix_ptr, j, rs, scale, base_ptr), _mix(mix_ptr, j + 1, rs, scale, base_ptr)
+    c, d = _mix(mix_ptr, j + 2, rs, scale, base_ptr), _mix(mix_ptr, j + 3, rs, scale, base_ptr)
     m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
     a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
     s = _sum4(a, b, c, d)
@@ -259,22 +261,10 @@ def _hc_pre_finish4(
     for j in tl.static_range(4):
         tl.store(post_ptr + b * 4 + j, 2.0 * tl.sigmoid(_mix(mrow, 4 + j, rs, s1, base_ptr)))
     # comb[r][c] = a{r}{c}: row softmax + eps, column norm, then (iters - 1) x (row, column) norms
-    a00, a01, a02, a03 = _row_softmax4(
-        _mix(mrow, 8, rs, s2, base_ptr), _mix(mrow, 9, rs, s2, base_ptr),
-        _mix(mrow, 10, rs, s2, base_ptr), _mix(mrow, 11, rs, s2, base_ptr), hc_eps,
-    )  # fmt: skip
-    a10, a11, a12, a13 = _row_softmax4(
-        _mix(mrow, 12, rs, s2, base_ptr), _mix(mrow, 13, rs, s2, base_ptr),
-        _mix(mrow, 14, rs, s2, base_ptr), _mix(mrow, 15, rs, s2, base_ptr), hc_eps,
-    )  # fmt: skip
-    a20, a21, a22, a23 = _row_softmax4(
-        _mix(mrow, 16, rs, s2, base_ptr), _mix(mrow, 17, rs, s2, base_ptr),
-        _mix(mrow, 18, rs, s2, base_ptr), _mix(mrow, 19, rs, s2, base_ptr), hc_eps,
-    )  # fmt: skip
-    a30, a31, a32, a33 = _row_softmax4(
-        _mix(mrow, 20, rs, s2, base_ptr), _mix(mrow, 21, rs, s2, base_ptr),
-        _mix(mrow, 22, rs, s2, base_ptr), _mix(mrow, 23, rs, s2, base_ptr), hc_eps,
-    )  # fmt: skip
+    a00, a01, a02, a03 = _row_softmax4(mrow, 8, rs, s2, base_ptr, hc_eps)
+    a10, a11, a12, a13 = _row_softmax4(mrow, 12, rs, s2, base_ptr, hc_eps)
+    a20, a21, a22, a23 = _row_softmax4(mrow, 16, rs, s2, base_ptr, hc_eps)
+    a30, a31, a32, a33 = _row_softmax4(mrow, 20, rs, s2, base_ptr, hc_eps)
     for it in range(iters):
         if it > 0:
             a00, a01, a02, a03 = _div4(a00, a01, a02, a03, _sum4(a00, a01, a02, a03) + hc_eps)

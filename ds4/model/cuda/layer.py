@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ds4.kernels import ref as kernel_ref
 from ds4.model.attention import AttentionShape, CompressorWeights, compress_chunk, fp8_nope
 from ds4.model.block import LayerWeights
 from ds4.model.cuda import fused
@@ -393,7 +394,7 @@ def _chunk_rows(w, xn, p0, r, fk, fs, out_rows, inv_freq, eps, n_rot, indexer) -
 def _top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last dim, ties to the lower row (FP4-quantized scores tie
     often, e.g. at exactly 0 after the ReLU); a stable descending sort, like the CPU reference."""
-    return score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    return kernel_ref.top_rows(score, k)
 
 
 # Decode's indexer top-k by the bitonic top-k kernel (ds4.kernels.topk: same indices, same order as the stable
@@ -404,7 +405,8 @@ def _top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
 TOPK_KERNEL = os.environ.get("DS4_TOPK_KERNEL", "0") == "1"
 
 # Decode's indexer top-k by torch.topk over unique int64 keys (top_rows_by_keys) instead of a full stable
-# sort of every compressed row: same indices; not yet timed on a GPU. Env DS4_INDEXER_TOPK=1: on.
+# sort of every compressed row: same indices; slower on the H200 (ab_decode.py, session 6: 77.31 vs 79.07
+# tok/s at 4k ctx). Env DS4_INDEXER_TOPK=1: on.
 INDEXER_TOPK = os.environ.get("DS4_INDEXER_TOPK", "0") == "1"
 
 
