@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
-from ds4.kernels import matmul, matvec, ref
+from ds4.kernels import intq, matmul, matvec, ref
 from ds4.kernels.packing import PackedWeight, pack, unpack
 from ds4.quant import GGMLType, dequantize, random_blocks
 
@@ -125,7 +125,15 @@ Q8_TILES = [
     matvec.Q8Config(xdirect=True, prefetch=True),  # first k-tile loaded before pdl_wait(), loop peeled
     matvec.Q8Config(16, 256, 4, 3, 8, prefetch=True),  # several k-tiles per split after the peeled one
     matvec.Q8Config(16, 256, 4, 1, 10**6, magic=True, prefetch=True),  # one k-tile per split: all peeled
+    matvec.Q8Config(int8=True),
+    matvec.Q8Config(int8=True, prefetch=True),
+    matvec.Q8Config(16, 256, 4, 3, 8, int8=True, prefetch=True),
+    matvec.Q8Config(16, 256, 4, 1, 10**6, int8=True, prefetch=True),
 ]
+# Q8Config.int8 against its twin ref.qmatvec_q8_0_int (the same integers, f32 rounding apart): F32_TOL;
+# against the exact f32 product: x's rounding error is <= amax / 64516 per value of each 32-block
+# (quantize_q8k terms 2), ~2e-5 of the output scale for Gaussian x: INT8_TOL
+INT8_TOL = 1e-4
 
 
 def _q8_id(c: matvec.Q8Config) -> str:
@@ -134,7 +142,17 @@ def _q8_id(c: matvec.Q8Config) -> str:
         + "-xdirect" * c.xdirect
         + "-magic" * c.magic
         + "-pre" * c.prefetch
+        + "-int8" * c.int8
     )
+
+
+def _assert_q8_mv1(got, x, w, rows, cfg, exact):
+    """q8_mv1's output against the exact f32 product (and, for int8, against its integer twin)."""
+    if cfg.int8:
+        assert rel_err(got, ref.qmatvec_q8_0_int(x, w, rows)) < F32_TOL
+        assert rel_err(got, exact) < INT8_TOL
+    else:
+        assert rel_err(got, exact) < F32_TOL
 
 
 @triton.jit
@@ -161,14 +179,50 @@ def test_q8_mv1_tiles(cfg):
     # plain: N = 20 (a partial row tile), K = 1024 (split-K unless the target is tiny); grouped: 3 x 32 rows
     w = packed(GGMLType.Q8_0, (20, 1024), seed=31)
     x = torch.randn(1024, generator=generator(31), device=DEVICE)
-    assert rel_err(matvec.q8_mv1(x, w, 20, cfg), ref.qmatvec(x[None], w)[0]) < F32_TOL
+    _assert_q8_mv1(matvec.q8_mv1(x, w, 20, cfg), x, w, 20, cfg, ref.qmatvec(x[None], w)[0])
     wg = packed(GGMLType.Q8_0, (3, 32, 256), seed=32)
     xg = torch.randn(3 * 256, generator=generator(32), device=DEVICE)
     want = ref.qmatvec_grouped(xg.view(1, 3, 256), wg).reshape(-1)
-    assert rel_err(matvec.q8_mv1(xg, wg, 32, cfg), want) < F32_TOL
+    _assert_q8_mv1(matvec.q8_mv1(xg, wg, 32, cfg), xg, wg, 32, cfg, want)
     assert rel_err(matvec.qmatvec_grouped(xg.view(1, 3, 256), wg).reshape(-1), want) < F32_TOL
     with pytest.raises(ValueError, match="must divide the group of 20 rows"):
         matvec.q8_mv1(xg, packed(GGMLType.Q8_0, (3, 20, 256), seed=33), 20, matvec.Q8Config(bn=16))
+
+
+def test_q8_0_int_twin_within_its_rounding_bound():
+    """ref.qmatvec_q8_0_int (the integer Q8_0 path's twin) vs the exact product, row by row: the error is at
+    most sum |w| times each block's x rounding bound (d_x / 2, +1 % of d_x for the residual's f32 rounding),
+    and the bound is tight enough to fail a dropped plane (error ~ amax / 254 per value)."""
+    w = packed(GGMLType.Q8_0, (2, 16, 256), seed=41)
+    x = torch.randn(512, generator=generator(41), device=DEVICE) * torch.linspace(0.1, 10, 512, device=DEVICE)
+    got, exact = ref.qmatvec_q8_0_int(x, w, 16), ref.qmatvec_grouped(x.view(1, 2, 256), w).reshape(-1)
+    _, dx = ref.quantize_q8k(x.view(2, 256), 2, 32)  # [2, 8]
+    wabs = unpack(w).abs().double().reshape(32, 8, 32).sum(-1)  # [32 rows, 8 blocks]
+    bound = (wabs * dx.double().repeat_interleave(16, 0) * 0.51).sum(-1)  # [32]
+    err = (got.double() - exact.double()).abs()
+    assert torch.all(err <= bound + 1e-6 * exact.abs().max())
+    assert err.max() > 0  # x really was rounded
+    one = ref.quantize_q8k(x.view(2, 256), 1, 32)[0]
+    assert not torch.equal(one[0], ref.quantize_q8k(x.view(2, 256), 2, 32)[0][1])  # planes differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_quantize_q8k_block32_kernel_equals_ref(dtype):
+    """intq.quantize_q8k at block 32 (the integer Q8_0 path's x) bit-equal to ref.quantize_q8k, a zero
+    block included; reconstruction within d / 2 (+1 % of d) of x."""
+    x = torch.randn(3, 256, generator=generator(42)) * 3
+    x[1, 32:64] = 0.0
+    x = x.to(dtype)
+    q, d = intq.quantize_q8k(x.to(DEVICE), 2, 32)
+    qr, dr = ref.quantize_q8k(x, 2, 32)
+    assert q.shape == (2, 3, 256) and d.shape == (3, 8)
+    assert torch.equal(q.cpu(), qr) and torch.equal(d.cpu(), dr)
+    assert d[1, 1] == 0 and not q[:, 1, 32:64].any()
+    approx = ref.q8k_values(qr).double().reshape(3, 8, 32) * dr.double()[..., None]
+    err = (x.double().reshape(3, 8, 32) - approx).abs().amax(-1)
+    assert torch.all(err <= dr.double() * 0.51 + 1e-12)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        intq.quantize_q8k(torch.zeros(1, 48, device=DEVICE), 2, 32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -393,7 +447,7 @@ def test_q8_mv1_flash_shapes_cuda(cfg):
             want = ref.qmatvec_grouped(x.view(1, groups, k), w).reshape(-1)
         else:
             want = ref.qmatvec(x[None], w)[0]
-        assert rel_err(matvec.q8_mv1(x, w, n, cfg), want) < F32_TOL
+        _assert_q8_mv1(matvec.q8_mv1(x, w, n, cfg), x, w, n, cfg, want)
 
 
 @pytest.mark.cuda

@@ -30,6 +30,7 @@ from ds4.quant.types import GGMLType
 
 from . import ref
 from .dispatch import PDL, pdl_wait, use_triton
+from .intq import _dot4, dp4a_ok, quantize_q8k
 from .packing import PLAIN_DTYPES, PackedWeight, iq2xxs_grid_i64
 
 TARGET_PROGRAMS = 1024  # ~8 per SM on an H200 (132 SMs): enough loads in flight to reach peak bandwidth
@@ -422,7 +423,10 @@ class Q8Config:
         per clock per SM quarter, integer ops at 1/2, I2F at 1/8) 32 weights cost >= 8 clocks (I2F) now and
         ~5.3 so: the I2F bound alone is ~4.4 TB/s of Q8_0 bytes, so this pays only where I2F stalls bite;
       prefetch: a program's first k-tile of weights (at the decode tile often all it reads) is loaded before
-        its pdl_wait(), so with dispatch.PDL_EARLY it streams while the previous kernel drains.
+        its pdl_wait(), so with dispatch.PDL_EARLY it streams while the previous kernel drains;
+      int8: x quantized first (intq.quantize_q8k per 32 values, two int8 planes: ~2^-16 of each block's
+        amax) and the weight words dotted with it by dp4a (_q8_int_kernel): per 32 weights 16 dp4a, 8 IMAD
+        and one I2F instead of 32 I2F and 32 FMA, for one more (small) launch per matvec.
     tools/gpu/bench_q8.py --variants times them; --compile-only prints these counts."""
 
     bn: int = 8
@@ -433,6 +437,7 @@ class Q8Config:
     xdirect: bool = False
     magic: bool = False
     prefetch: bool = False
+    int8: bool = False
 
 
 # tools/gpu/tune_decode.py times the alternatives: on an H200 (2026-11-29) this tile gave the lowest sum over
@@ -453,6 +458,7 @@ Q8_MV1 = Q8Config(
     xdirect=os.environ.get("DS4_Q8_XDIRECT", "1") == "1",
     magic=os.environ.get("DS4_Q8_MAGIC", "0") == "1",
     prefetch=os.environ.get("DS4_Q8_PREFETCH", "1") != "0",
+    int8=os.environ.get("DS4_Q8_INT8", "0") == "1",
 )
 
 
@@ -541,6 +547,70 @@ def _q8_mv1_kernel(
         _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
 
 
+@triton.jit
+def _q8_int_tile(q, d, x1, x2, dx, DP4A: tl.constexpr):
+    """[BN, TB] f32: one k-tile of _q8_int_kernel: weight words q [BN, TB, 8] (4 quants each) with block
+    scales d [BN, TB] times x's plane words x1, x2 [BN, TB, 8] (v = 254 q1 + q2) with scales dx [TB]."""
+    s = tl.sum(_dot4(q, x2, _dot4(q, x1, 0, DP4A) * 254, DP4A), axis=2)  # exact: |s| <= 32 * 127 * 32385
+    return s.to(tl.float32) * (d.to(tl.float32) * dx[None, :])
+
+
+@triton.jit
+def _q8_int_kernel(
+    xq_ptr,
+    dx_ptr,
+    qs,
+    dsc,
+    out_ptr,
+    sum_ptr,
+    cnt_ptr,
+    N,
+    K,
+    NG,
+    XPLANE,
+    kt_per_split,
+    BN: tl.constexpr,
+    TK: tl.constexpr,
+    STAGES: tl.constexpr,
+    FIXUP: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    DP4A: tl.constexpr,
+):
+    """_q8_mv1_kernel on quantized x (Q8Config.int8): xq_ptr the int32 words of x's planes [2, G, K/4] (XPLANE
+    words apart), dx_ptr their scales [G, K/32], qs the int32 words of the quants [N, K/4]."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    TB: tl.constexpr = TK // 32  # blocks per k-tile
+    QK: tl.constexpr = TK // 4  # words per k-tile
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = tl.minimum(n, N - 1).to(tl.int64)
+    grp = ((pid_n * BN) // NG).to(tl.int64)  # the program's rows all lie in one group (BN | NG)
+    blk = tl.arange(0, TB)
+    e8 = tl.arange(0, 8)
+    qp = qs + wrow[:, None, None] * (K // 4) + blk[None, :, None] * 8 + e8[None, None, :]  # [BN, TB, 8]
+    xp = tl.broadcast_to((xq_ptr + grp * (K // 4) + blk[:, None] * 8 + e8[None, :])[None], [BN, TB, 8])
+    dp = dsc + wrow[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
+    dxp = dx_ptr + grp * (K // 32) + blk  # [TB]
+    kt_lo = pid_s * kt_per_split
+    kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
+    acc = tl.zeros([BN, TB], dtype=tl.float32)
+    if PREFETCH:  # the first k-tile's weights before the wait: static (see dispatch.PDL_EARLY)
+        q0 = tl.load(qp + kt_lo * QK)
+        d0 = tl.load(dp + kt_lo * TB)
+    pdl_wait()  # x's planes come from the quantization launch just before (dispatch.PDL)
+    if PREFETCH:
+        x1, x2 = tl.load(xp + kt_lo * QK), tl.load(xp + XPLANE + kt_lo * QK)
+        acc += _q8_int_tile(q0, d0, x1, x2, tl.load(dxp + kt_lo * TB), DP4A)
+        kt_lo += 1
+    for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
+        x1, x2, dx = tl.load(xp + kt * QK), tl.load(xp + XPLANE + kt * QK), tl.load(dxp + kt * TB)
+        acc += _q8_int_tile(tl.load(qp + kt * QK), tl.load(dp + kt * TB), x1, x2, dx, DP4A)
+    tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
+    if FIXUP:  # as one batch row: tile [1, BN]
+        off, mask = n[None, :], (n < N)[None, :]
+        _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
+
+
 def _q8_tile_k(k: int, cap: int) -> int:
     for tk in (1024, 512, 256, 128, 64, 32):
         if tk <= cap and k % tk == 0:
@@ -561,6 +631,14 @@ def q8_mv1(
     tk, per, splits = q8_mv1_plan(N, K, cfg)
     n_prog = triton.cdiv(N, cfg.bn)
     o = split_outputs(x.device, splits, n_prog, (N,))  # partials [S, N]
+    if cfg.int8:
+        q, dx = quantize_q8k(x.view(-1, K), 2, 32)  # [2, G, K], [G, K/32]
+        _q8_int_kernel[(n_prog, splits)](
+            q.view(torch.int32), dx, w.data["qs"].view(torch.int32), w.data["d"], o.part, o.total, o.cnt,
+            N, K, rows_per_group, q[0].numel() // 4, per, BN=cfg.bn, TK=tk, STAGES=cfg.stages,
+            FIXUP=o.fixup, PREFETCH=cfg.prefetch, DP4A=dp4a_ok(x), num_warps=cfg.warps, launch_pdl=PDL,
+        )  # fmt: skip
+        return o.result()
     qs = w.data["qs"].view(torch.int32) if cfg.magic else w.data["qs"]
     _q8_mv1_kernel[(n_prog, splits)](
         x, qs, w.data["d"], o.part, o.total, o.cnt, N, K, rows_per_group, per,

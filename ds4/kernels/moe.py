@@ -35,6 +35,7 @@ from ds4.quant.types import GGMLType
 
 from . import ref
 from .dispatch import PDL, pdl_wait
+from .intq import _dot4, dp4a_ok, quantize_q8k  # noqa: F401 (quantize_q8k: re-exported, moe.quantize_q8k)
 from .matvec import (
     _split_counters,
     _split_fixup,
@@ -325,58 +326,11 @@ def _q2k_down_kernel(
 
 
 @triton.jit
-def _dot4(a, b, c, DP4A: tl.constexpr):
-    """c + sum over the 4 bytes of int32 words a, b as signed int8 products (broadcasting, int32)."""
-    if DP4A:
-        out = tl.inline_asm_elementwise(
-            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
-        )
-    else:
-        out = c + ((a << 24) >> 24) * ((b << 24) >> 24)  # << then arithmetic >>: sign-extended byte 0
-        out += ((a << 16) >> 24) * ((b << 16) >> 24)
-        out += ((a << 8) >> 24) * ((b << 8) >> 24)
-        out += (a >> 24) * (b >> 24)
-    return out
-
-
-@triton.jit
 def _negate_bytes(w, m):
     """Negate the bytes of int32 word w where mask m has 0xFF (others 0x00): (w ^ m) + (m & 0x01010101) is a
     per-byte two's complement negation with no carry between bytes because every byte of w is >= 1 (grid
     magnitudes 8/25/43)."""
     return (w ^ m) + (m & 0x01010101)
-
-
-@triton.jit
-def _rne_int(v):
-    """Round-half-even of f32 |v| < 2^22 to int32 (1.5 * 2^23 added: the mantissa holds the integer)."""
-    r = (v + 12582912.0).to(tl.int32, bitcast=True)
-    return (r & 0x7FFFFF) - 0x400000
-
-
-@triton.jit
-def _q8k_quant_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, plane, TINY: tl.constexpr, TERMS: tl.constexpr):
-    """Block program_id(1) of row program_id(0): x [R, K] (f32|bf16) -> q int8 [TERMS, R, K] (planes `plane`
-    = R * K apart), d f32 [R, K/256]; the math of ref.quantize_q8k (run without FMA contraction)."""
-    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
-    r = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    i = tl.arange(0, 256)
-    x = tl.load(x_ptr + r * stride_x + blk * 256 + i).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    big = amax >= TINY
-    safe = tl.where(big, amax, 1.0)
-    iscale = tl.where(big, tl.div_rn(127.0, safe), 0.0)  # correctly rounded, as torch
-    q = tl.minimum(tl.maximum(_rne_int(x * iscale), -127), 127)
-    tl.store(q_ptr + r * K + blk * 256 + i, q.to(tl.int8))
-    if TERMS == 2:  # residual plane: x in units of amax / 32258, minus 254 q (exact: both near 254 q)
-        d = tl.where(big, tl.div_rn(amax, 32258.0), 0.0)
-        t = x * tl.where(big, tl.div_rn(32258.0, safe), 0.0) - (254 * q).to(tl.float32)
-        q2 = tl.minimum(tl.maximum(_rne_int(t), -127), 127)
-        tl.store(q_ptr + plane + r * K + blk * 256 + i, q2.to(tl.int8))
-    else:
-        d = tl.where(big, tl.div_rn(amax, 127.0), 0.0)
-    tl.store(d_ptr + r * (K // 256) + blk, d)
 
 
 @triton.jit
@@ -1036,31 +990,7 @@ def _int8(cfg: MoeConfig, w: PackedWeight, qtype: GGMLType) -> bool:
 
 def _dp4a(t: torch.Tensor, cfg: MoeConfig) -> bool:
     """dp4a is inline PTX: CUDA only, never under the interpreter."""
-    return cfg.dp4a and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-def quantize_q8k(x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] f32|bf16, K a multiple of 256 -> (q int8 [T, R, K], d f32 [R, K/256]) per 256 values, T =
-    terms planes, exactly as ref.quantize_q8k (T 1: d = amax / 127, q = RNE(x * 127 / amax); T 2: plus the
-    residual plane, d = amax / 32258). One launch, no host sync."""
-    if x.ndim != 2 or x.shape[1] % 256:
-        raise ValueError(f"quantize_q8k: x must be [rows, K] with K a multiple of 256, got {tuple(x.shape)}")
-    if terms not in (1, 2):
-        raise ValueError(f"quantize_q8k: terms must be 1 or 2, got {terms}")
-    if not use_triton(x):
-        return ref.quantize_q8k(x, terms)
-    x = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
-    R, K = x.shape
-    q = torch.empty(terms, R, K, dtype=torch.int8, device=x.device)
-    d = torch.empty(R, K // 256, dtype=torch.float32, device=x.device)
-    if R:
-        # no FMA contraction: products must round to f32 before the additions that follow (as torch)
-        _q8k_quant_kernel[(R, K // 256)](
-            x, q, d, K, x.stride(0), R * K,
-            TINY=ref.Q8K_TINY, TERMS=terms, num_warps=2, enable_fp_fusion=False,
-            launch_pdl=PDL,
-        )  # fmt: skip
-    return q, d
+    return dp4a_ok(t, cfg.dp4a)
 
 
 def moe_gate_up(

@@ -42,6 +42,7 @@ from ds4.quant.types import GGMLType
 
 from . import ref
 from .dispatch import PDL, pdl_wait
+from .intq import dp4a_ok
 from .matvec import check_weight, prep_x, use_triton
 from .moe import (
     GATE_UP,
@@ -478,7 +479,7 @@ def supports(wg: PackedWeight, wu: PackedWeight, wd: PackedWeight) -> bool:
 
 
 def _dp4a(t: torch.Tensor, cfg: GroupedConfig) -> bool:
-    return cfg.dp4a and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    return dp4a_ok(t, cfg.dp4a)
 
 
 def _check_ids(ids: torch.Tensor, B: int, device: torch.device, what: str) -> None:

@@ -88,15 +88,16 @@ Q8K_TINY = 1e-30  # blocks with amax below this quantize to zeros (keeps 127 / a
 Q8K_STEP = 254  # terms 2: weight of the first plane (v = 254 q1 + q2)
 
 
-def quantize_q8k(x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (q int8 [T, R, K], d f32 [R, K/256]) per 256 values, T = terms (1 or 2), see the section
-    comment: q[0] = RNE(x * (127 / amax)) in [-127, 127], q[1] = RNE(x * (32258 / amax) - 254 q[0]) clamped
-    to [-127, 127]; d = amax / 127 (T 1) or amax / 32258 (T 2). Divisions correctly rounded, f32 products
-    rounded before the subtraction (no FMA); a block with amax < Q8K_TINY gives d = 0, q = 0."""
+def quantize_q8k(x: torch.Tensor, terms: int = 2, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (q int8 [T, R, K], d f32 [R, K/block]) per block values (256: Q8_K; 32: one scale per
+    Q8_0 weight block), T = terms (1 or 2), see the section comment: q[0] = RNE(x * (127 / amax)) in
+    [-127, 127], q[1] = RNE(x * (32258 / amax) - 254 q[0]) clamped to [-127, 127]; d = amax / 127 (T 1) or
+    amax / 32258 (T 2). Divisions correctly rounded, f32 products rounded before the subtraction (no FMA); a
+    block with amax < Q8K_TINY gives d = 0, q = 0."""
     if terms not in (1, 2):
         raise ValueError(f"quantize_q8k: terms must be 1 or 2, got {terms}")
     R, K = x.shape
-    xb = x.float().reshape(R, K // 256, 256)
+    xb = x.float().reshape(R, K // block, block)
     amax = xb.abs().amax(-1)  # [R, nb]
     big = amax >= Q8K_TINY
     # tensor / tensor, correctly rounded (torch: `s / t` is t.reciprocal() * s, on CUDA `t / s` is t * (1/s))
@@ -191,6 +192,20 @@ def qmatvec_q8k(x: torch.Tensor, w, terms: int = 2) -> torch.Tensor:
     wi = q8k_weight_ints(w)
     rows = [q8k_matvec_row(wi, q[:, b], dx[b]) for b in range(x.shape[0])]
     return torch.stack(rows) if rows else x.new_zeros(0, w.rows, dtype=torch.float32)
+
+
+def qmatvec_q8_0_int(x: torch.Tensor, w, rows_per_group: int | None = None) -> torch.Tensor:
+    """x [G*K] times Q8_0 rows W [N, K] -> [N] f32, row n reading x group n // rows_per_group (None: one
+    group), the math of matvec's integer Q8_0 kernel (Q8Config.int8): x quantized per 32 values in two
+    planes (quantize_q8k, block 32), each block's integer dot exact, scaled by d_w d_x, summed in f32."""
+    N, K = w.rows, w.K
+    g = rows_per_group or N
+    q, dx = quantize_q8k(x.reshape(-1, K), 2, 32)  # [2, G, K], [G, K/32]
+    v = q8k_values(q)  # [G, K] int64
+    grp = torch.arange(N, device=x.device) // g  # [N]
+    wq = w.data["qs"].reshape(N, K // 32, 32).long()
+    s = (wq * v[grp].reshape(N, K // 32, 32)).sum(-1)  # [N, K/32] exact
+    return ((w.data["d"].reshape(N, K // 32).float() * dx[grp]) * s.float()).sum(-1)
 
 
 def _expert(w, e: int):

@@ -15,6 +15,8 @@ Variants (each the other side of an engine default; env names in brackets):
   1 stream        streams.CONCURRENT off    (DS4_STREAMS=0)     no side-stream branches
   indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
   q8 no prefetch  matvec.Q8_MV1.prefetch off (DS4_Q8_PREFETCH=0) first weight tile loaded after the wait
+  q8 int8         matvec.Q8_MV1.int8        (DS4_Q8_INT8=1)     x quantized to 2 int8 planes, dp4a dots
+  q8 int8 bn16    the same at 16 rows x 256 per tile
   half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
   attend fma      attend.ATTEND_PREC "ieee" (DS4_ATTEND_PREC=ieee)  the FMA attention dots (bf16x3: default)
   attend fused    attend.FUSED_MERGE        (DS4_ATTEND_FUSED_MERGE=1) the split merge in the partial kernel
@@ -70,6 +72,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "topk kernel": {(layer, "TOPK_KERNEL"): True},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
+    "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
+    "q8 int8 bn16": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, bn=16, tk=256)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),
         (mv, "HMV_LARGE"): replace(mv.HMV_LARGE, prefetch=True),
