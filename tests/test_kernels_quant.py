@@ -210,7 +210,7 @@ def test_q8_0_int_twin_within_its_rounding_bound():
 def test_quantize_q8k_block32_kernel_equals_ref(dtype):
     """intq.quantize_q8k at block 32 (the integer Q8_0 path's x) bit-equal to ref.quantize_q8k, a zero
     block included; reconstruction within d / 2 (+1 % of d) of x."""
-    x = torch.randn(3, 256, generator=generator(42)) * 3
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(42)) * 3
     x[1, 32:64] = 0.0
     x = x.to(dtype)
     q, d = intq.quantize_q8k(x.to(DEVICE), 2, 32)
