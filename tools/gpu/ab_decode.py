@@ -17,6 +17,7 @@ Variants (each the other side of an engine default; env names in brackets):
   q8 no prefetch  matvec.Q8_MV1.prefetch off (DS4_Q8_PREFETCH=0) first weight tile loaded after the wait
   q8 int8         matvec.Q8_MV1.int8        (DS4_Q8_INT8=1)     x quantized to 2 int8 planes, dp4a dots
   q8 int8 bn16    the same at 16 rows x 256 per tile
+  q8 int8 bn4     the same at 4 rows x 1024 per tile (session 12's best in bench_q8)
   half prefetch   matvec.HMV_SMALL / HMV_LARGE .prefetch (DS4_HALF_PREFETCH=1)
   attend fma      attend.ATTEND_PREC "ieee" (DS4_ATTEND_PREC=ieee)  the FMA attention dots (bf16x3: default)
   attend fused    attend.FUSED_MERGE        (DS4_ATTEND_FUSED_MERGE=1) the split merge in the partial kernel
@@ -74,6 +75,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
     "q8 int8 bn16": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, bn=16, tk=256)},
+    "q8 int8 bn4": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, bn=4, tk=1024)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),
         (mv, "HMV_LARGE"): replace(mv.HMV_LARGE, prefetch=True),
