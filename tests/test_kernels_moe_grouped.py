@@ -64,6 +64,22 @@ def test_expert_runs_match_python_grouping():
     assert runs.order.dtype == runs.eid.dtype == runs.offsets.dtype == torch.int32
 
 
+@pytest.mark.parametrize(("B", "k", "E"), [(1, 6, 256), (7, 6, 256), (32, 6, 256), (64, 6, 256), (5, 3, 4)])
+def test_expert_runs_kernel_equals_the_sort(B, k, E):
+    """The counting kernel (_expert_runs_kernel) vs its torch twin, the stable sort, on random ids with
+    out-of-range ones (-3, E, E + 7: the sentinel run), int32 and int64 ids."""
+    gen = torch.Generator().manual_seed(B * 100 + E)
+    ids = torch.randint(0, E, (B, k), generator=gen)
+    bad = torch.rand(B, k, generator=gen) < 0.1
+    ids = torch.where(bad, torch.tensor([-3, E, E + 7])[torch.randint(0, 3, (B, k), generator=gen)], ids)
+    e = torch.where((ids >= 0) & (ids < E), ids, E)
+    want = moe_grouped._runs_by_sort(e, E)
+    for dtype in (torch.int32, torch.int64):
+        runs = moe_grouped.expert_runs(ids.to(dtype).to(DEVICE), E)
+        for got, ref_t in zip((runs.order, runs.eid, runs.offsets), want, strict=True):
+            assert got.dtype == torch.int32 and torch.equal(got.cpu(), ref_t), dtype
+
+
 def _cfg_id(c: moe_grouped.GroupedConfig) -> str:
     return f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-{c.pairs_dn}-t{c.terms}"
 

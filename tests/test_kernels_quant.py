@@ -236,7 +236,26 @@ BF16X2_TOL = 4e-5
 
 
 def rows_tol(mode: str) -> float:
-    return BF16X2_TOL if mode == "bf16x2" else F32_TOL
+    return {"bf16x2": BF16X2_TOL, "int8": INT8_TOL}.get(mode, F32_TOL)
+
+
+def _rows_int_twin(x: torch.Tensor, w, rows_per_group: int) -> torch.Tensor:
+    """ref.qmatvec_q8_0_int row by row: the math of q8_rows's int8 mode."""
+    return torch.stack([ref.qmatvec_q8_0_int(row, w, rows_per_group) for row in x])
+
+
+@pytest.mark.parametrize(("b", "n", "k", "groups"), [(9, 64, 256, 1), (33, 128, 1024, 1), (12, 64, 256, 3)])
+def test_q8_rows_int8_equals_its_twin(b, n, k, groups):
+    """q8_rows mode "int8" (x in two int8 planes per 32, int8 MMAs) vs ref.qmatvec_q8_0_int: the same
+    integer block dots, so only f32 summation order apart (1e-6); vs the exact product within INT8_TOL."""
+    shape = (groups, n, k) if groups > 1 else (n, k)
+    w = packed(GGMLType.Q8_0, shape, seed=80 + b)
+    x = torch.randn(b, groups * k, generator=generator(80 + b), device=DEVICE) * 3.0
+    got = matvec.q8_rows(x, w, n, matvec.Q8RowsConfig(mode="int8"))
+    assert rel_err(got, _rows_int_twin(x, w, n)) < 1e-6
+    exact = ref.qmatvec_grouped(x.view(b, groups, k), w).reshape(b, -1) if groups > 1 else ref.qmatvec(x, w)
+    err = rel_err(got, exact)
+    assert 1e-7 < err < INT8_TOL  # x really was quantized, and within its bound
 
 
 @pytest.mark.parametrize(

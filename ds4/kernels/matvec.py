@@ -449,16 +449,20 @@ class Q8Config:
 # dispatch.PDL_EARLY, 88.96 vs 88.43 with it (tools/gpu/ab_decode.py, session 7); safe either way (static
 # weights only before the wait). HalfConfig.prefetch measured 88.93 with both (no gain over the Q8_0 one
 # alone): off.
+# The int8 variant runs at 4 rows x 1024 per tile: bench_q8.py --variants (session 12) summed a step's Q8_0
+# matvecs to 3.304 ms there vs 3.347 at the f32 kernel's 8 x 512 (default kernel 3.372); whole model at 4k
+# ctx (ab_decode.py "q8 int8 bn4", session 13) 108.27 vs 105.50 tok/s, both rounds alike.
+_Q8_INT8 = os.environ.get("DS4_Q8_INT8", "0") == "1"
 Q8_MV1 = Q8Config(
-    bn=8,
-    tk=512,
+    bn=4 if _Q8_INT8 else 8,
+    tk=1024 if _Q8_INT8 else 512,
     warps=4,
     stages=1,
     target=2112,
     xdirect=os.environ.get("DS4_Q8_XDIRECT", "1") == "1",
     magic=os.environ.get("DS4_Q8_MAGIC", "0") == "1",
     prefetch=os.environ.get("DS4_Q8_PREFETCH", "1") != "0",
-    int8=os.environ.get("DS4_Q8_INT8", "0") == "1",
+    int8=_Q8_INT8,
 )
 
 
@@ -772,8 +776,12 @@ class Q8RowsConfig:
 # alone check (tools/gpu/batch_check.py, 4-layer model, 4 steps) measured 2.6e-2 of the logit std (bar
 # 2e-2; tf32x2 4.56e-3) although bf16x3's products are as exact as tf32x2's: some rounding point of the
 # step (FP8 KV rows, the indexer's top-k) flips on the ~1e-6 difference. Not yet understood; env
-# DS4_Q8_ROWS_MODE.
-Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3")
+# DS4_Q8_ROWS_MODE. "int8": x quantized per 32 values in two int8 planes first (intq.quantize_q8k, the
+# integer batch-1 kernel's x: ~2^-16 of each block's amax) and each block's quants dotted with both planes
+# on the int8 tensor cores (exact int32 sums), scaled by d_w d_x: the weight tile goes to the MMA as loaded
+# (no int8 -> f32 conversion, half the operand bytes of tf32) — the math of ref.qmatvec_q8_0_int, so with
+# Q8_MV1.int8 a batched step's block dots equal the single session's.
+Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 
 
 # Against the dense bf16 GEMM it replaces in batched decode (bench_q8.py --rows, session 8, tf32x2): 1.42x
@@ -845,6 +853,60 @@ def _q8_rows_kernel(
     _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
 
 
+@triton.jit
+def _q8_rows_int_kernel(
+    xq_ptr,
+    dx_ptr,
+    qs,
+    dsc,
+    out_ptr,
+    sum_ptr,
+    cnt_ptr,
+    B,
+    N,
+    K,
+    NG,
+    GK,
+    XPLANE,
+    kb_per_split,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    STAGES: tl.constexpr,
+    FIXUP: tl.constexpr,
+):
+    """_q8_rows_kernel's partials on quantized x (Q8RowsConfig.mode "int8"): xq_ptr the planes [2, B, GK]
+    int8 (XPLANE apart), dx_ptr their scales [B, GK/32]; per block the int32 dot q . (254 x1 + x2), as
+    two int8 MMAs, times d_w d_x."""
+    pdl_wait()  # x's planes come from the quantization launch just before (dispatch.PDL)
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = tl.minimum(n, N - 1).to(tl.int64)
+    b = pid_b * BB + tl.arange(0, BB)
+    bmask = b < B
+    e = tl.arange(0, 32)
+    xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
+    qp = qs + wrow[:, None] * K + e[None, :]  # [BN, 32]
+    dp = dsc + wrow * (K // 32)  # [BN]
+    xp = xq_ptr + b[:, None].to(tl.int64) * GK + xbase + e[None, :]  # [BB, 32] plane 0
+    dxp = dx_ptr + b.to(tl.int64) * (GK // 32) + xbase // 32  # [BB]
+    kb_lo = pid_s * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, K // 32)
+    acc = tl.zeros([BN, BB], dtype=tl.float32)
+    for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
+        q = tl.load(qp + kb * 32)  # [BN, 32] int8
+        x1 = tl.load(xp + kb * 32, mask=bmask[:, None], other=0)  # [BB, 32] int8
+        x2 = tl.load(xp + XPLANE + kb * 32, mask=bmask[:, None], other=0)
+        sc = tl.load(dp + kb).to(tl.float32)[:, None] * tl.load(dxp + kb, mask=bmask, other=0.0)[None, :]
+        # |q . v| <= 32 * 128 * 32385 < 2^31: exact in int32
+        part = tl.dot(q, tl.trans(x1), out_dtype=tl.int32) * 254
+        part = tl.dot(q, tl.trans(x2), part, out_dtype=tl.int32)  # [BN, BB]
+        acc += sc * part.to(tl.float32)
+    tile = pid_n * tl.num_programs(1) + pid_b
+    _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
+
+
 def q8_rows_plan(b: int, n: int, k: int, cfg: Q8RowsConfig) -> tuple[int, int, tuple[int, int, int]]:
     """(BB, 32-blocks per split, grid) of q8_rows for b rows of x times n Q8_0 rows of length k."""
     bb = 16 if b <= 16 else 32 if b <= 32 else 64
@@ -866,6 +928,14 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
         raise ValueError(f"q8_rows: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
     bb, per, grid = q8_rows_plan(B, N, K, cfg)
     o = split_outputs(x.device, grid[2], grid[0] * grid[1], (B, N))  # partials [S, B, N]
+    if cfg.mode == "int8":
+        GK = x.shape[1]
+        q, dx = quantize_q8k(x, 2, 32)  # [2, B, GK], [B, GK/32]
+        _q8_rows_int_kernel[grid](
+            q, dx, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, GK, B * GK,
+            per, BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, num_warps=cfg.warps, launch_pdl=PDL,
+        )  # fmt: skip
+        return o.result()
     _q8_rows_kernel[grid](
         x, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, x.stride(0), per,
         BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode, num_warps=cfg.warps,

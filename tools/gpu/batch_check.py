@@ -122,6 +122,59 @@ def check(batches: list[str], steps: int) -> bool:
     return ok
 
 
+def _variants() -> dict[str, dict]:
+    """--variants: name -> {(module, attribute): value} set for a timing, the defaults restored after."""
+    from ds4.kernels import matvec, moe_grouped
+
+    return {
+        "default": {},
+        "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
+        "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
+        "rows int8 + mv1 int8": {
+            (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
+            (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, bn=4, tk=1024),
+        },
+    }
+
+
+def time_variants(names: list[str], batches: list[int], ctx: int, steps: int, rounds: int) -> None:
+    """Batched steps of the full model per variant (module switches; the bucket graphs recaptured), the
+    variants taking turns for `rounds` rounds; per (variant, B) the median step ms and tok/s."""
+    table = _variants()
+    model = synthetic_model("q2")
+    V = model.cfg.n_vocab
+    pool = model.new_states(max(batches), ctx + steps * (rounds + 2) * len(names) + 8)
+    lg = model.forward(pool[0], prompt_tokens(ctx, V, 0))
+    base, first, kv = pool[0].clone(), int(lg.argmax()), pool[0].pool
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for name in names:
+            saved = {key: getattr(*key) for key in table[name]}
+            for (mod, attr), value in table[name].items():
+                setattr(mod, attr, value)
+            kv.runner = None  # recapture the bucket graphs with the switches in force
+            for B in batches:
+                for rep in range(2):  # rep 0: warm-up / capture
+                    for st in pool[:B]:
+                        st.copy_from(base)
+                    toks = [(first + 7919 * i) % V for i in range(B)]
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(steps if rep else 2):
+                        toks = model.decode_batch(pool[:B], toks).argmax(-1).tolist()
+                    sync()
+                    if rep:
+                        times.setdefault((name, B), []).append((time.perf_counter() - t0) / steps)
+            for (mod, attr), value in saved.items():
+                setattr(mod, attr, value)
+            kv.runner = None
+    print(f"(b) variants at {ctx} ctx, median of {rounds} x {steps} steps:")
+    for (name, B), ts in times.items():
+        med = sorted(ts)[len(ts) // 2]
+        ratio = med / sorted(times[("default", B)])[rounds // 2] if ("default", B) in times else 1.0
+        print(f"    {name:22s} B={B:3d} {1e3 * med:8.2f} ms  {B / med:8.1f} tok/s  x{1 / ratio:.3f}")
+
+
 def time_batches(batches: list[int], ctx: int, steps: int, repeats: int, plain: bool = False) -> None:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -215,6 +268,8 @@ def main() -> int:
     p.add_argument("--plain", action="store_true", help="time the default paths only")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--no-roundtrips", action="store_true", help="FP8/FP4 round trips off")
+    p.add_argument("--variants", default="", help="time these switch sets instead (batch_check._variants)")
+    p.add_argument("--rounds", type=int, default=2, help="--variants: rounds of turns")
     a = p.parse_args()
     if a.no_roundtrips:
         if os.environ.get("DS4_TRITON_FUSED") != "0" or os.environ.get("DS4_COMPILE") != "0":
@@ -227,7 +282,10 @@ def main() -> int:
     ok = True
     if not a.skip_check:
         ok = check(a.check_batches.split(","), a.check_steps)
-    if not a.skip_time:
+    if a.variants:
+        names = ["default"] + [v for v in a.variants.split(",") if v != "default"]
+        time_variants(names, [int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.rounds)
+    elif not a.skip_time:
         time_batches([int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.repeats, a.plain)
     print("batch_check:", "all checks ok" if ok else "CHECK FAILED")
     return 0 if ok else 1

@@ -249,6 +249,7 @@ def run_variants(dev: torch.device) -> None:
 # path before it) vs the packed bf16 tiles (x rounded to bf16)
 
 ROW_BATCHES = (16, 32, 64)
+INT8_ROWS = replace(mv.Q8_ROWS, mode="int8")  # x in two int8 planes, int8 MMAs
 
 
 def _dense(w: PackedWeight, groups: int) -> torch.Tensor:
@@ -271,11 +272,13 @@ def _row_ways(x: torch.Tensor, ws: list[PackedWeight], dense: list[torch.Tensor]
 
         return {
             "q8_rows": ([lambda w=w: mv.qmatvec_grouped(xg, w) for w in ws], nop),
+            "q8_rows int8": ([lambda w=w: mv.q8_rows(x, w, w.N, INT8_ROWS) for w in ws], nop),
             "dense bf16": ([lambda d=d: bmm(d) for d in dense], nop),
             "bf16 tiles": ([lambda w=w: mv.qmatvec_grouped(xg.bfloat16(), w) for w in ws], nop),
         }
     return {
         "q8_rows": ([lambda w=w: mv.qmatvec(x, w) for w in ws], nop),
+        "q8_rows int8": ([lambda w=w: mv.q8_rows(x, w, w.N, INT8_ROWS) for w in ws], nop),
         "dense bf16": ([lambda d=d: torch.nn.functional.linear(x.bfloat16(), d).float() for d in dense], nop),
         "bf16 tiles": ([lambda w=w: mv.qmatvec(x.bfloat16(), w) for w in ws], nop),
     }
@@ -286,7 +289,7 @@ def run_rows(dev: torch.device) -> None:
     alternating graph replays; last lines: per decode step (each shape x its count) and the VERDICT."""
     gen = torch.Generator(dev).manual_seed(2)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    names = ("q8_rows", "dense bf16", "bf16 tiles")
+    names = ("q8_rows", "q8_rows int8", "dense bf16", "bf16 tiles")
     print(
         f"{'shape':11s}  B {'MB':>6s} | "
         + " | ".join(f"{v:>10s} us" for v in names)
@@ -311,7 +314,7 @@ def run_rows(dev: torch.device) -> None:
             worst = max(worst, err["q8_rows"])
             t = time_graphs(ways)
             cols = [f"{t[v] * 1e6:13.1f}" for v in names]
-            errs = f"{err['q8_rows']:.1e} / {err['dense bf16']:.1e}"
+            errs = f"{err['q8_rows']:.1e} / int8 {err['q8_rows int8']:.1e} / {err['dense bf16']:.1e}"
             print(f"{label:11s} {b:2d} {mb:6.1f} | " + " | ".join(cols) + f" | {errs}", flush=True)
             for v in names:
                 step[b][v] += t[v] * count * 1e3
@@ -321,6 +324,7 @@ def run_rows(dev: torch.device) -> None:
     for b, ms in step.items():
         print(f"per decode step, B={b}: " + ", ".join(f"{v} {t:.3f} ms" for v, t in ms.items()))
         print(f"VERDICT rows B={b}: q8_rows {ms['q8_rows'] / ms['dense bf16']:.2f} x the dense bf16 time")
+        print(f"VERDICT rows int8 B={b}: {ms['q8_rows int8'] / ms['q8_rows']:.2f} x the default mode's time")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,11 +342,12 @@ def list_plans() -> None:
 _PTR = {"x_ptr": "*fp32", "qs": "*i8", "dsc": "*fp16", "w0": "*i8", "w1": "*fp16", "w2": "*i8", "w3": "*i8"}
 _PTR |= {"out_ptr": "*fp32", "sum_ptr": "*fp32", "cnt_ptr": "*i32", "w_ptr": "*fp16"}
 _PTR |= {"xq_ptr": "*i32", "dx_ptr": "*fp32"}
+_ROWS_INT_PTR = {"xq_ptr": "*i8"}  # _q8_rows_int_kernel reads the planes as bytes
 
 
 # ints that are multiples of 16 at every Flash shape: Triton's launcher specializes such values as divisible
 # by 16 (what lets the quant loads vectorize), so the builds here mark them too
-_DIV16 = ("N", "K", "NG", "stride_x", "XPLANE")
+_DIV16 = ("N", "K", "NG", "stride_x", "XPLANE", "GK")
 
 
 def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "*i8"):
@@ -350,7 +355,7 @@ def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ptr = {**_PTR, "x_ptr": x_type, "qs": qs_type}
+    ptr = {**_PTR, "x_ptr": x_type, "qs": qs_type} | (_ROWS_INT_PTR if fn is mv._q8_rows_int_kernel else {})
     sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
     div = [i for i, a in enumerate(fn.arg_names) if a in ptr or (a in _DIV16 and a not in consts)]
     attrs = {(i,): [["tt.divisibility", 16]] for i in div}
@@ -412,10 +417,14 @@ def compile_only() -> int:
     rows = mv.Q8_ROWS
     for mode in mv.Q8_ROWS_MODES:
         for bb in (16, 32, 64):
-            consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True, "MODE": mode}
+            consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True}
             wpt = rows.bn * 32 / (32 * rows.warps)
             label = f"q8_rows {mode} BB{bb} BN{rows.bn}"
-            runs.append((label, mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
+            if mode == "int8":
+                runs.append((label, mv._q8_rows_int_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
+            else:
+                consts["MODE"] = mode
+                runs.append((label, mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
     # _split_fixup's other user
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))

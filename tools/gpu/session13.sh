@@ -2,9 +2,21 @@
 # Device calls of session 13, one part per call (.gpu/shared carried, see session5.sh):
 #   part a: where a B = 32 step goes now (profile_batch.py without PDL, 8k ctx), and session 12's best
 #           integer Q8_0 variant (4 rows x 1024) on the whole model at 4k ctx.
-# Usage: bash tools/gpu/session13.sh a
+#   part b: q8_rows's int8 mode (x in two int8 planes, int8 MMAs) and the expert-runs counting kernel: their
+#           GPU tests, the B = 16 / 32 step per switch (batch_check.py --variants), bench_q8.py --rows, the
+#           batched-vs-alone check with both integer Q8_0 paths on.
+# Usage: bash tools/gpu/session13.sh a|b
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=34 run profile32 200 env DS4_PDL=0 python3 tools/gpu/profile_batch.py 32 8192
   TAIL=8 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 --variants "q8 int8 bn4"
+fi
+if [ "$1" = b ]; then
+  TAIL=6 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    tests/test_kernels_moe_grouped.py -k "q8_rows or expert_runs or grouped_kernels"
+  TAIL=12 run variants 200 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
+    --variants "rows int8,runs sort,rows int8 + mv1 int8"
+  TAIL=8 run check 130 env DS4_Q8_ROWS_MODE=int8 DS4_Q8_INT8=1 python3 tools/gpu/batch_check.py --skip-time \
+    --check-batches 1,3,8,16
+  TAIL=10 run rows "$(left)" python3 tools/gpu/bench_q8.py --rows
 fi
