@@ -287,6 +287,23 @@ def test_q8_rows_modes(mode, b, n, k):
         matvec.q8_rows(x, w, n, matvec.Q8RowsConfig(mode="fp8"))
 
 
+@pytest.mark.parametrize("mode", ["tf32x2", "int8"])
+@pytest.mark.parametrize(("blocks", "k"), [(2, 1024), (4, 1024), (8, 2048), (4, 96)], ids=str)
+def test_q8_rows_blocks_per_iteration(mode, blocks, k):
+    """Q8RowsConfig.blocks (32-blocks per k iteration) gives the one-block result up to split-K summation
+    order; a row length it does not divide (3 blocks) falls back to one block per iteration."""
+    w = packed(GGMLType.Q8_0, (64, k), seed=90 + blocks)
+    x = torch.randn(20, k, generator=generator(90 + blocks), device=DEVICE) * 3.0
+    cfg = matvec.Q8RowsConfig(mode=mode, blocks=blocks)
+    assert matvec.rows_blocks(k, cfg) == (blocks if k // 32 % blocks == 0 else 1)
+    per = matvec.q8_rows_plan(20, 64, k, cfg)[1]
+    assert per % matvec.rows_blocks(k, cfg) == 0
+    got = matvec.q8_rows(x, w, 64, cfg)
+    one = matvec.q8_rows(x, w, 64, matvec.Q8RowsConfig(mode=mode))
+    assert rel_err(got, one) < 1e-6
+    assert rel_err(got, ref.qmatvec(x, w)) < rows_tol(mode)
+
+
 def test_q8_rows_grouped_and_bad_tile():
     w = packed(GGMLType.Q8_0, (3, 64, 256), seed=60)
     x = torch.randn(12, 3, 256, generator=generator(60), device=DEVICE)

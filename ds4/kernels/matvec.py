@@ -764,6 +764,7 @@ class Q8RowsConfig:
     stages: int = 3
     target: int = 1056
     mode: str = "tf32x2"  # Q8_ROWS_MODES
+    blocks: int = 1  # 32-blocks per k iteration (rows_blocks): the bytes a pipeline stage fetches
 
 
 # The products of a block: "tf32x2" (above: x as tf32 hi + lo, two tf32 MMAs, ~2^-21 per product), or the
@@ -788,7 +789,35 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # its time at B = 16, 1.69x at 32, 3.25x at 64, for f32-accurate products (the bf16 tiles: ~2e-3 off).
 # sm_90 builds (bench_q8.py --compile-only, tf32x2): 65 / 96 / 150 registers at BB = 16 / 32 / 64, no
 # spills, 10-28 KB of shared memory.
-Q8_ROWS = Q8RowsConfig(mode=os.environ.get("DS4_Q8_ROWS_MODE", "tf32x2"))
+Q8_ROWS = Q8RowsConfig(
+    mode=os.environ.get("DS4_Q8_ROWS_MODE", "tf32x2"),
+    stages=int(os.environ.get("DS4_Q8_ROWS_STAGES", "3")),
+    blocks=int(os.environ.get("DS4_Q8_ROWS_BLOCKS", "1")),
+)
+
+
+@triton.jit
+def _q8_rows_block(qp, dp, xp, bmask, kb, MODE: tl.constexpr):
+    """[BN, BB] f32 products of 32-block kb (quant pointers qp [BN, 32], scales dp [BN], x pointers xp
+    [BB, 32] of rows bmask): the block's dots in MODE, times its scales."""
+    d = tl.load(dp + kb).to(tl.float32)  # [BN]
+    xv = tl.load(xp + kb * 32, mask=bmask[:, None], other=0.0)  # [BB, 32] f32
+    if MODE == "bf16x2" or MODE == "bf16x3":
+        q = tl.load(qp + kb * 32).to(tl.float32).to(tl.bfloat16)  # [BN, 32] 8-bit integers: exact
+        hi, mid = _split_bf16(xv)
+        if MODE == "bf16x3":
+            mid, lo = _split_bf16(xv - hi.to(tl.float32))  # the remainder exact in f32, split again
+            part = tl.dot(q, tl.trans(lo))
+            part = tl.dot(q, tl.trans(mid), part)
+        else:
+            part = tl.dot(q, tl.trans(mid))
+        part = tl.dot(q, tl.trans(hi), part)  # [BN, BB]; the small terms first
+    else:
+        q = tl.load(qp + kb * 32).to(tl.float32)  # [BN, 32] integers: exact in tf32
+        hi = _tf32_hi(xv)
+        part = tl.dot(q, tl.trans(hi), input_precision="tf32")
+        part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
+    return part * d[:, None]
 
 
 @triton.jit
@@ -810,6 +839,7 @@ def _q8_rows_kernel(
     STAGES: tl.constexpr,
     FIXUP: tl.constexpr,
     MODE: tl.constexpr,
+    NB: tl.constexpr = 1,
 ):
     """Partials out [S, B, N] of x [B, G * K] (row n reads group n // NG) @ W^T, program (row tile, batch
     tile, split); FIXUP: the last split of each tile also writes the sum to sum_ptr [B, N]. MODE: the
@@ -830,25 +860,9 @@ def _q8_rows_kernel(
     kb_lo = pid_s * kb_per_split
     kb_hi = tl.minimum(kb_lo + kb_per_split, K // 32)
     acc = tl.zeros([BN, BB], dtype=tl.float32)
-    for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
-        d = tl.load(dp + kb).to(tl.float32)  # [BN]
-        xv = tl.load(xp + kb * 32, mask=bmask[:, None], other=0.0)  # [BB, 32] f32
-        if MODE == "bf16x2" or MODE == "bf16x3":
-            q = tl.load(qp + kb * 32).to(tl.float32).to(tl.bfloat16)  # [BN, 32] 8-bit integers: exact
-            hi, mid = _split_bf16(xv)
-            if MODE == "bf16x3":
-                mid, lo = _split_bf16(xv - hi.to(tl.float32))  # the remainder exact in f32, split again
-                part = tl.dot(q, tl.trans(lo))
-                part = tl.dot(q, tl.trans(mid), part)
-            else:
-                part = tl.dot(q, tl.trans(mid))
-            part = tl.dot(q, tl.trans(hi), part)  # [BN, BB]; the small terms first
-        else:
-            q = tl.load(qp + kb * 32).to(tl.float32)  # [BN, 32] integers: exact in tf32
-            hi = _tf32_hi(xv)
-            part = tl.dot(q, tl.trans(hi), input_precision="tf32")
-            part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
-        acc += part * d[:, None]
+    for kb0 in tl.range(kb_lo, kb_hi, NB, num_stages=STAGES):
+        for j in tl.static_range(NB):  # NB blocks per iteration: more bytes in flight per program
+            acc += _q8_rows_block(qp, dp, xp, bmask, kb0 + j, MODE)
     tile = pid_n * tl.num_programs(1) + pid_b
     _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
 
@@ -873,6 +887,7 @@ def _q8_rows_int_kernel(
     BN: tl.constexpr,
     STAGES: tl.constexpr,
     FIXUP: tl.constexpr,
+    NB: tl.constexpr = 1,
 ):
     """_q8_rows_kernel's partials on quantized x (Q8RowsConfig.mode "int8"): xq_ptr the planes [2, B, GK]
     int8 (XPLANE apart), dx_ptr their scales [B, GK/32]; per block the int32 dot q . (254 x1 + x2), as
@@ -894,15 +909,17 @@ def _q8_rows_int_kernel(
     kb_lo = pid_s * kb_per_split
     kb_hi = tl.minimum(kb_lo + kb_per_split, K // 32)
     acc = tl.zeros([BN, BB], dtype=tl.float32)
-    for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
-        q = tl.load(qp + kb * 32)  # [BN, 32] int8
-        x1 = tl.load(xp + kb * 32, mask=bmask[:, None], other=0)  # [BB, 32] int8
-        x2 = tl.load(xp + XPLANE + kb * 32, mask=bmask[:, None], other=0)
-        sc = tl.load(dp + kb).to(tl.float32)[:, None] * tl.load(dxp + kb, mask=bmask, other=0.0)[None, :]
-        # |q . v| <= 32 * 128 * 32385 < 2^31: exact in int32
-        part = tl.dot(q, tl.trans(x1), out_dtype=tl.int32) * 254
-        part = tl.dot(q, tl.trans(x2), part, out_dtype=tl.int32)  # [BN, BB]
-        acc += sc * part.to(tl.float32)
+    for kb0 in tl.range(kb_lo, kb_hi, NB, num_stages=STAGES):
+        for j in tl.static_range(NB):
+            kb = kb0 + j
+            q = tl.load(qp + kb * 32)  # [BN, 32] int8
+            x1 = tl.load(xp + kb * 32, mask=bmask[:, None], other=0)  # [BB, 32] int8
+            x2 = tl.load(xp + XPLANE + kb * 32, mask=bmask[:, None], other=0)
+            sc = tl.load(dp + kb).to(tl.float32)[:, None] * tl.load(dxp + kb, mask=bmask, other=0.0)[None, :]
+            # |q . v| <= 32 * 128 * 32385 < 2^31: exact in int32
+            part = tl.dot(q, tl.trans(x1), out_dtype=tl.int32) * 254
+            part = tl.dot(q, tl.trans(x2), part, out_dtype=tl.int32)  # [BN, BB]
+            acc += sc * part.to(tl.float32)
     tile = pid_n * tl.num_programs(1) + pid_b
     _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
 
@@ -913,8 +930,14 @@ def q8_rows_plan(b: int, n: int, k: int, cfg: Q8RowsConfig) -> tuple[int, int, t
     tiles = triton.cdiv(n, cfg.bn) * triton.cdiv(b, bb)
     n_kb = k // 32
     want = max(1, min(n_kb // 4, triton.cdiv(cfg.target, tiles)))  # a split keeps >= 4 blocks
-    per = triton.cdiv(n_kb, want)
+    nb = rows_blocks(k, cfg)
+    per = triton.cdiv(triton.cdiv(n_kb, want), nb) * nb  # whole iterations of nb blocks per split
     return bb, per, (triton.cdiv(n, cfg.bn), triton.cdiv(b, bb), triton.cdiv(n_kb, per))
+
+
+def rows_blocks(k: int, cfg: Q8RowsConfig) -> int:
+    """32-blocks per k iteration of q8_rows: cfg.blocks where it divides the row's blocks, else 1."""
+    return cfg.blocks if (k // 32) % cfg.blocks == 0 else 1
 
 
 def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsConfig | None = None):
@@ -933,13 +956,14 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
         q, dx = quantize_q8k(x, 2, 32)  # [2, B, GK], [B, GK/32]
         _q8_rows_int_kernel[grid](
             q, dx, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, GK, B * GK,
-            per, BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, num_warps=cfg.warps, launch_pdl=PDL,
+            per, BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, NB=rows_blocks(K, cfg),
+            num_warps=cfg.warps, launch_pdl=PDL,
         )  # fmt: skip
         return o.result()
     _q8_rows_kernel[grid](
         x, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, x.stride(0), per,
-        BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode, num_warps=cfg.warps,
-        launch_pdl=PDL,
+        BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode, NB=rows_blocks(K, cfg),
+        num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     return o.result()
 

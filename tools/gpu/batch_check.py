@@ -130,6 +130,11 @@ def _variants() -> dict[str, dict]:
         "default": {},
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
+        "rows nb4": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, blocks=4)},
+        "rows nb4 s2": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, blocks=4, stages=2)},
+        "rows nb8 s2": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, blocks=8, stages=2)},
+        "rows s5": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, stages=5)},
+        "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, bn=4, tk=1024)},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
             (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, bn=4, tk=1024),

@@ -249,7 +249,22 @@ def run_variants(dev: torch.device) -> None:
 # path before it) vs the packed bf16 tiles (x rounded to bf16)
 
 ROW_BATCHES = (16, 32, 64)
-INT8_ROWS = replace(mv.Q8_ROWS, mode="int8")  # x in two int8 planes, int8 MMAs
+ROW_CFGS = {  # q8_rows variants timed beside the default: mode int8, k-loop stages, 32-blocks per iteration
+    "int8": replace(mv.Q8_ROWS, mode="int8"),
+    "s5": replace(mv.Q8_ROWS, stages=5),
+    "nb2": replace(mv.Q8_ROWS, blocks=2),
+    "nb4": replace(mv.Q8_ROWS, blocks=4),
+    "nb4 s2": replace(mv.Q8_ROWS, blocks=4, stages=2),
+    "nb8 s2": replace(mv.Q8_ROWS, blocks=8, stages=2),
+    "int8 nb4": replace(mv.Q8_ROWS, mode="int8", blocks=4),
+}
+
+
+def _row_cfg_ways(x: torch.Tensor, ws: list[PackedWeight], nop) -> dict:
+    return {
+        f"q8_rows {name}": ([lambda w=w, c=c: mv.q8_rows(x, w, w.N, c) for w in ws], nop)
+        for name, c in ROW_CFGS.items()
+    }
 
 
 def _dense(w: PackedWeight, groups: int) -> torch.Tensor:
@@ -272,13 +287,13 @@ def _row_ways(x: torch.Tensor, ws: list[PackedWeight], dense: list[torch.Tensor]
 
         return {
             "q8_rows": ([lambda w=w: mv.qmatvec_grouped(xg, w) for w in ws], nop),
-            "q8_rows int8": ([lambda w=w: mv.q8_rows(x, w, w.N, INT8_ROWS) for w in ws], nop),
+            **_row_cfg_ways(x, ws, nop),
             "dense bf16": ([lambda d=d: bmm(d) for d in dense], nop),
             "bf16 tiles": ([lambda w=w: mv.qmatvec_grouped(xg.bfloat16(), w) for w in ws], nop),
         }
     return {
         "q8_rows": ([lambda w=w: mv.qmatvec(x, w) for w in ws], nop),
-        "q8_rows int8": ([lambda w=w: mv.q8_rows(x, w, w.N, INT8_ROWS) for w in ws], nop),
+        **_row_cfg_ways(x, ws, nop),
         "dense bf16": ([lambda d=d: torch.nn.functional.linear(x.bfloat16(), d).float() for d in dense], nop),
         "bf16 tiles": ([lambda w=w: mv.qmatvec(x.bfloat16(), w) for w in ws], nop),
     }
@@ -289,7 +304,7 @@ def run_rows(dev: torch.device) -> None:
     alternating graph replays; last lines: per decode step (each shape x its count) and the VERDICT."""
     gen = torch.Generator(dev).manual_seed(2)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    names = ("q8_rows", "q8_rows int8", "dense bf16", "bf16 tiles")
+    names = ("q8_rows", *(f"q8_rows {c}" for c in ROW_CFGS), "dense bf16", "bf16 tiles")
     print(
         f"{'shape':11s}  B {'MB':>6s} | "
         + " | ".join(f"{v:>10s} us" for v in names)
@@ -315,6 +330,8 @@ def run_rows(dev: torch.device) -> None:
             t = time_graphs(ways)
             cols = [f"{t[v] * 1e6:13.1f}" for v in names]
             errs = f"{err['q8_rows']:.1e} / int8 {err['q8_rows int8']:.1e} / {err['dense bf16']:.1e}"
+            worst_var = max(err[f"q8_rows {c}"] for c in ROW_CFGS if "int8" not in c)
+            errs += f" / variants {worst_var:.1e}"
             print(f"{label:11s} {b:2d} {mb:6.1f} | " + " | ".join(cols) + f" | {errs}", flush=True)
             for v in names:
                 step[b][v] += t[v] * count * 1e3
@@ -324,7 +341,8 @@ def run_rows(dev: torch.device) -> None:
     for b, ms in step.items():
         print(f"per decode step, B={b}: " + ", ".join(f"{v} {t:.3f} ms" for v, t in ms.items()))
         print(f"VERDICT rows B={b}: q8_rows {ms['q8_rows'] / ms['dense bf16']:.2f} x the dense bf16 time")
-        print(f"VERDICT rows int8 B={b}: {ms['q8_rows int8'] / ms['q8_rows']:.2f} x the default mode's time")
+        for c in ROW_CFGS:
+            print(f"VERDICT rows {c} B={b}: {ms[f'q8_rows {c}'] / ms['q8_rows']:.3f} x the default's time")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -415,16 +433,16 @@ def compile_only() -> int:
             consts = {"QT": 8, "BB": bb, "BN": bn, "TK": tk, "SW": tk, "USE_DOT": dot, "FIXUP": fix}
             runs.append((f"qmv tiles BB{bb} BN{bn}{' dot' * dot}", mv._qmv_kernel, consts, 4, xt, "*i8", 0))
     rows = mv.Q8_ROWS
-    for mode in mv.Q8_ROWS_MODES:
-        for bb in (16, 32, 64):
-            consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True}
-            wpt = rows.bn * 32 / (32 * rows.warps)
-            label = f"q8_rows {mode} BB{bb} BN{rows.bn}"
-            if mode == "int8":
-                runs.append((label, mv._q8_rows_int_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
-            else:
-                consts["MODE"] = mode
-                runs.append((label, mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
+    row_builds = [(m, bb, 1) for m in mv.Q8_ROWS_MODES for bb in (16, 32, 64)]
+    for mode, bb, nb in row_builds + [("tf32x2", 32, 4), ("int8", 32, 4)]:
+        consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True, "NB": nb}
+        wpt = rows.bn * 32 * nb / (32 * rows.warps)
+        label = f"q8_rows {mode} BB{bb} BN{rows.bn} NB{nb}"
+        if mode == "int8":
+            runs.append((label, mv._q8_rows_int_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
+        else:
+            consts["MODE"] = mode
+            runs.append((label, mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
     # _split_fixup's other user
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))

@@ -5,7 +5,10 @@
 #   part b: q8_rows's int8 mode (x in two int8 planes, int8 MMAs) and the expert-runs counting kernel: their
 #           GPU tests, the B = 16 / 32 step per switch (batch_check.py --variants), bench_q8.py --rows, the
 #           batched-vs-alone check with both integer Q8_0 paths on.
-# Usage: bash tools/gpu/session13.sh a|b
+#   part c: q8_rows's k loop with more bytes per stage (Q8RowsConfig.blocks / stages): bench_q8.py --rows,
+#           the B = 16 / 32 step per variant, and the batched-vs-alone check with the integer batch-1 matvec
+#           alone on (DS4_Q8_INT8=1: the candidate default).
+# Usage: bash tools/gpu/session13.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=34 run profile32 200 env DS4_PDL=0 python3 tools/gpu/profile_batch.py 32 8192
@@ -19,4 +22,13 @@ if [ "$1" = b ]; then
   TAIL=8 run check 130 env DS4_Q8_ROWS_MODE=int8 DS4_Q8_INT8=1 python3 tools/gpu/batch_check.py --skip-time \
     --check-batches 1,3,8,16
   TAIL=10 run rows "$(left)" python3 tools/gpu/bench_q8.py --rows
+fi
+if [ "$1" = c ]; then
+  TAIL=4 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    -k "q8_rows"
+  TAIL=24 run rows 170 python3 tools/gpu/bench_q8.py --rows
+  TAIL=12 run variants 190 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
+    --variants "rows nb4,rows nb4 s2,rows s5,mv1 int8"
+  TAIL=12 run check "$(left)" env DS4_Q8_INT8=1 python3 tools/gpu/batch_check.py --skip-time \
+    --check-batches 1,3,8,16
 fi
