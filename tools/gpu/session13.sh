@@ -8,7 +8,9 @@
 #   part c: q8_rows's k loop with more bytes per stage (Q8RowsConfig.blocks / stages): bench_q8.py --rows,
 #           the B = 16 / 32 step per variant, and the batched-vs-alone check with the integer batch-1 matvec
 #           alone on (DS4_Q8_INT8=1: the candidate default).
-# Usage: bash tools/gpu/session13.sh a|b|c
+#   part d: the scalar HC finish with one reciprocal per normalisation (fused._div4): its tests, whole-model
+#           A/B at 4k ctx; backend tests and the batched-vs-alone check at the defaults (expert_runs kernel).
+# Usage: bash tools/gpu/session13.sh a|b|c|d
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=34 run profile32 200 env DS4_PDL=0 python3 tools/gpu/profile_batch.py 32 8192
@@ -31,4 +33,12 @@ if [ "$1" = c ]; then
     --variants "rows nb4,rows nb4 s2,rows s5,mv1 int8"
   TAIL=12 run check "$(left)" env DS4_Q8_INT8=1 python3 tools/gpu/batch_check.py --skip-time \
     --check-batches 1,3,8,16
+fi
+if [ "$1" = d ]; then
+  TAIL=4 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_fused.py \
+    -k "hc_pre"
+  TAIL=8 run ab 150 python3 tools/gpu/ab_decode.py --rounds 2 --variants "hc scalar"
+  TAIL=14 run check 100 python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
+  TAIL=6 run backend "$(left)" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/test_cuda_backend.py tests/test_cuda_batch.py -k "official or flash_width or repeatable or batch"
 fi
