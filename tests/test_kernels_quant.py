@@ -304,6 +304,18 @@ def test_q8_rows_blocks_per_iteration(mode, blocks, k):
     assert rel_err(got, ref.qmatvec(x, w)) < rows_tol(mode)
 
 
+@pytest.mark.parametrize(("min_blocks", "bn"), [(16, 64), (32, 32)], ids=str)
+def test_q8_rows_min_blocks_per_split(min_blocks, bn):
+    """Q8RowsConfig.min_blocks bounds the split-K depth (each split writes an f32 partial); the result stays
+    within the f32 bound at BN 64 and 32."""
+    w = packed(GGMLType.Q8_0, (128, 2048), seed=95)
+    x = torch.randn(20, 2048, generator=generator(95), device=DEVICE)
+    cfg = matvec.Q8RowsConfig(bn=bn, min_blocks=min_blocks, target=4096)
+    per = matvec.q8_rows_plan(20, 128, 2048, cfg)[1]
+    assert per >= min_blocks and matvec.q8_rows_plan(20, 128, 2048, matvec.Q8RowsConfig(target=4096))[1] < 16
+    assert rel_err(matvec.q8_rows(x, w, 128, cfg), ref.qmatvec(x, w)) < F32_TOL
+
+
 def test_q8_rows_grouped_and_bad_tile():
     w = packed(GGMLType.Q8_0, (3, 64, 256), seed=60)
     x = torch.randn(12, 3, 256, generator=generator(60), device=DEVICE)

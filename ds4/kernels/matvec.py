@@ -765,6 +765,7 @@ class Q8RowsConfig:
     target: int = 1056
     mode: str = "tf32x2"  # Q8_ROWS_MODES
     blocks: int = 1  # 32-blocks per k iteration (rows_blocks): the bytes a pipeline stage fetches
+    min_blocks: int = 4  # 32-blocks a split keeps at least: each split also writes an f32 [BB, BN] partial
 
 
 # The products of a block: "tf32x2" (above: x as tf32 hi + lo, two tf32 MMAs, ~2^-21 per product), or the
@@ -789,7 +790,12 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # its time at B = 16, 1.69x at 32, 3.25x at 64, for f32-accurate products (the bf16 tiles: ~2e-3 off).
 # sm_90 builds (bench_q8.py --compile-only, tf32x2): 65 / 96 / 150 registers at BB = 16 / 32 / 64, no
 # spills, 10-28 KB of shared memory.
+# Split-K at B rows writes and re-reads an f32 [BB, BN] partial per split (8 KB at BB 32, BN 64) next to the
+# split's BN x 34 bytes per block of weights: at 4 blocks a split that is as many bytes as its weights.
+# Env DS4_Q8_ROWS_TARGET / DS4_Q8_ROWS_MIN_BLOCKS for whole-model A/B runs (batch_check.py --variants).
 Q8_ROWS = Q8RowsConfig(
+    target=int(os.environ.get("DS4_Q8_ROWS_TARGET", "1056")),
+    min_blocks=int(os.environ.get("DS4_Q8_ROWS_MIN_BLOCKS", "4")),
     mode=os.environ.get("DS4_Q8_ROWS_MODE", "tf32x2"),
     stages=int(os.environ.get("DS4_Q8_ROWS_STAGES", "3")),
     blocks=int(os.environ.get("DS4_Q8_ROWS_BLOCKS", "1")),
@@ -929,7 +935,7 @@ def q8_rows_plan(b: int, n: int, k: int, cfg: Q8RowsConfig) -> tuple[int, int, t
     bb = 16 if b <= 16 else 32 if b <= 32 else 64
     tiles = triton.cdiv(n, cfg.bn) * triton.cdiv(b, bb)
     n_kb = k // 32
-    want = max(1, min(n_kb // 4, triton.cdiv(cfg.target, tiles)))  # a split keeps >= 4 blocks
+    want = max(1, min(n_kb // cfg.min_blocks, triton.cdiv(cfg.target, tiles)))  # >= min_blocks per split
     nb = rows_blocks(k, cfg)
     per = triton.cdiv(triton.cdiv(n_kb, want), nb) * nb  # whole iterations of nb blocks per split
     return bb, per, (triton.cdiv(n, cfg.bn), triton.cdiv(b, bb), triton.cdiv(n_kb, per))

@@ -130,10 +130,6 @@ def _variants() -> dict[str, dict]:
         "default": {},
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
-        "rows nb4": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, blocks=4)},
-        "rows nb4 s2": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, blocks=4, stages=2)},
-        "rows nb8 s2": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, blocks=8, stages=2)},
-        "rows s5": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, stages=5)},
         "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, bn=4, tk=1024)},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
@@ -142,10 +138,19 @@ def _variants() -> dict[str, dict]:
     }
 
 
+def _rows_variant(name: str) -> dict:
+    """'rows:field=value,...' -> the switch set of that q8_rows config (bench_q8.rows_cfg)."""
+    from ds4.kernels import matvec
+
+    kw = dict(item.split("=") for item in name.split(":", 1)[1].split(","))
+    cfg = replace(matvec.Q8_ROWS, **{k: v if k == "mode" else int(v) for k, v in kw.items()})
+    return {(matvec, "Q8_ROWS"): cfg}
+
+
 def time_variants(names: list[str], batches: list[int], ctx: int, steps: int, rounds: int) -> None:
     """Batched steps of the full model per variant (module switches; the bucket graphs recaptured), the
     variants taking turns for `rounds` rounds; per (variant, B) the median step ms and tok/s."""
-    table = _variants()
+    table = _variants() | {n: _rows_variant(n) for n in names if n.startswith("rows:")}
     model = synthetic_model("q2")
     V = model.cfg.n_vocab
     pool = model.new_states(max(batches), ctx + steps * (rounds + 2) * len(names) + 8)

@@ -249,21 +249,28 @@ def run_variants(dev: torch.device) -> None:
 # path before it) vs the packed bf16 tiles (x rounded to bf16)
 
 ROW_BATCHES = (16, 32, 64)
-ROW_CFGS = {  # q8_rows variants timed beside the default: mode int8, k-loop stages, 32-blocks per iteration
-    "int8": replace(mv.Q8_ROWS, mode="int8"),
-    "s5": replace(mv.Q8_ROWS, stages=5),
-    "nb2": replace(mv.Q8_ROWS, blocks=2),
-    "nb4": replace(mv.Q8_ROWS, blocks=4),
-    "nb4 s2": replace(mv.Q8_ROWS, blocks=4, stages=2),
-    "nb8 s2": replace(mv.Q8_ROWS, blocks=8, stages=2),
-    "int8 nb4": replace(mv.Q8_ROWS, mode="int8", blocks=4),
+ROW_CFGS = {  # q8_rows variants timed beside the default (spec: Q8RowsConfig fields, batch_check "rows:")
+    "int8": "mode=int8",
+    "mb16": "min_blocks=16",
+    "mb32": "min_blocks=32",
+    "mb16 s5": "min_blocks=16,stages=5",
+    "mb32 s6": "min_blocks=32,stages=6",
+    "bn32 mb16": "bn=32,min_blocks=16",
+    "t528": "target=528",
 }
 
 
+def rows_cfg(spec: str) -> mv.Q8RowsConfig:
+    """'field=value,...' -> Q8_ROWS with those fields (ints, or the mode name)."""
+    kw = dict(item.split("=") for item in spec.split(","))
+    return replace(mv.Q8_ROWS, **{k: v if k == "mode" else int(v) for k, v in kw.items()})
+
+
 def _row_cfg_ways(x: torch.Tensor, ws: list[PackedWeight], nop) -> dict:
+    cfgs = {name: rows_cfg(spec) for name, spec in ROW_CFGS.items()}
     return {
         f"q8_rows {name}": ([lambda w=w, c=c: mv.q8_rows(x, w, w.N, c) for w in ws], nop)
-        for name, c in ROW_CFGS.items()
+        for name, c in cfgs.items()
     }
 
 
@@ -343,6 +350,8 @@ def run_rows(dev: torch.device) -> None:
         print(f"VERDICT rows B={b}: q8_rows {ms['q8_rows'] / ms['dense bf16']:.2f} x the dense bf16 time")
         for c in ROW_CFGS:
             print(f"VERDICT rows {c} B={b}: {ms[f'q8_rows {c}'] / ms['q8_rows']:.3f} x the default's time")
+    best = min(ROW_CFGS, key=lambda c: step[32][f"q8_rows {c}"])  # B = 32: issue 8's bar
+    print(f"BEST32 {ROW_CFGS[best] if step[32][f'q8_rows {best}'] < step[32]['q8_rows'] else 'none'}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@
 #           alone on (DS4_Q8_INT8=1: the candidate default).
 #   part d: the scalar HC finish with one reciprocal per normalisation (fused._div4): its tests, whole-model
 #           A/B at 4k ctx; backend tests and the batched-vs-alone check at the defaults (expert_runs kernel).
-# Usage: bash tools/gpu/session13.sh a|b|c|d
+#   part e: q8_rows's split-K depth (Q8RowsConfig.min_blocks: each split writes an f32 partial) and BN in
+#           bench_q8.py --rows, the B = 32 step with its best config, then the TTFT of a new request while
+#           31 others stream (ds4-bench --parallel 32).
+# Usage: bash tools/gpu/session13.sh a|b|c|d|e
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=34 run profile32 200 env DS4_PDL=0 python3 tools/gpu/profile_batch.py 32 8192
@@ -41,4 +44,15 @@ if [ "$1" = d ]; then
   TAIL=14 run check 100 python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
   TAIL=6 run backend "$(left)" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
     tests/test_cuda_backend.py tests/test_cuda_batch.py -k "official or flash_width or repeatable or batch"
+fi
+if [ "$1" = e ]; then
+  TAIL=30 run rows 80 python3 tools/gpu/bench_q8.py --rows
+  best=$(sed -n 's/^BEST32 //p' "$OUT/rows.log")
+  echo "best q8_rows config at B = 32: ${best:-none}"
+  if [ -n "$best" ] && [ "$best" != none ]; then
+    TAIL=8 run variants 110 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
+      --variants "rows:$best"
+  fi
+  TAIL=12 run ttft "$(left)" python3 -m ds4.bench --synthetic flash-q2 --parallel 32 --ctx-start 8192 \
+    --ctx-max 8192 -n 32 --ttft-prompt 1024 --prefill-budget 512
 fi
