@@ -130,6 +130,7 @@ def _variants() -> dict[str, dict]:
         "default": {},
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
+        "hmv fixup": {(matvec, "HMV_LARGE"): replace(matvec.HMV_LARGE, fixup=True)},
         "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, bn=4, tk=1024)},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
@@ -139,10 +140,11 @@ def _variants() -> dict[str, dict]:
 
 
 def _rows_variant(name: str) -> dict:
-    """'rows:field=value,...' -> the switch set of that q8_rows config (bench_q8.rows_cfg)."""
+    """'rows:field=value+...' -> the switch set of that q8_rows config (bench_q8.rows_cfg's fields; '+'
+    between them: --variants is comma-separated)."""
     from ds4.kernels import matvec
 
-    kw = dict(item.split("=") for item in name.split(":", 1)[1].split(","))
+    kw = dict(item.split("=") for item in name.split(":", 1)[1].split("+"))
     cfg = replace(matvec.Q8_ROWS, **{k: v if k == "mode" else int(v) for k, v in kw.items()})
     return {(matvec, "Q8_ROWS"): cfg}
 
@@ -278,7 +280,9 @@ def main() -> int:
     p.add_argument("--plain", action="store_true", help="time the default paths only")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--no-roundtrips", action="store_true", help="FP8/FP4 round trips off")
-    p.add_argument("--variants", default="", help="time these switch sets instead (batch_check._variants)")
+    p.add_argument(
+        "--variants", default="", help="time these switch sets instead (_variants, or rows:field=value+...)"
+    )
     p.add_argument("--rounds", type=int, default=2, help="--variants: rounds of turns")
     a = p.parse_args()
     if a.no_roundtrips:

@@ -11,7 +11,8 @@
 #   part d: the scalar HC finish with one reciprocal per normalisation (fused._div4): its tests, whole-model
 #           A/B at 4k ctx; backend tests and the batched-vs-alone check at the defaults (expert_runs kernel).
 #   part e: q8_rows's split-K depth (Q8RowsConfig.min_blocks: each split writes an f32 partial) and BN in
-#           bench_q8.py --rows, the B = 32 step with its best config, then the TTFT of a new request while
+#           bench_q8.py --rows, the B = 32 step with its best config and with the side matrices' split-K
+#           summed in the kernel (HMV_LARGE.fixup), then the TTFT of a new request while
 #           31 others stream (ds4-bench --parallel 32).
 # Usage: bash tools/gpu/session13.sh a|b|c|d|e
 source "$(dirname "$0")/session_lib.sh"
@@ -49,10 +50,10 @@ if [ "$1" = e ]; then
   TAIL=30 run rows 80 python3 tools/gpu/bench_q8.py --rows
   best=$(sed -n 's/^BEST32 //p' "$OUT/rows.log")
   echo "best q8_rows config at B = 32: ${best:-none}"
-  if [ -n "$best" ] && [ "$best" != none ]; then
-    TAIL=8 run variants 110 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
-      --variants "rows:$best"
-  fi
+  variants="hmv fixup"
+  if [ -n "$best" ] && [ "$best" != none ]; then variants="rows:${best//,/+},hmv fixup"; fi
+  TAIL=8 run variants 130 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
+    --variants "$variants"
   TAIL=12 run ttft "$(left)" python3 -m ds4.bench --synthetic flash-q2 --parallel 32 --ctx-start 8192 \
     --ctx-max 8192 -n 32 --ttft-prompt 1024 --prefill-budget 512
 fi
