@@ -134,6 +134,19 @@ def test_bad_input(model):
 # ---------------------------------------------------------------------------------------------
 
 N_SYN = 300  # crosses the ratio-128 rows at 128 and 256 and the 32-token window many times
+# With the FP8 / FP4 round trips as the identity the chunkings differ only by f32 rounding (~3e-6 here): a
+# chunking bug (a frontier, a row boundary, a window slot) moves the logits by far more. With them on, a
+# value on a rounding edge may round the other way in one chunking (one such flip measured 6e-3 max, 9e-4
+# mean), which says nothing about the chunking logic; the official-model tests above keep them on.
+SYN_MAX_TOL, SYN_MEAN_TOL = 1e-4, 1e-5
+
+
+def _no_roundtrips(mp: pytest.MonkeyPatch) -> None:
+    import ds4.model.attention as attention
+    import ds4.model.quantsim as quantsim
+
+    mp.setattr(attention, "fp8_e4m3_roundtrip", lambda x, *a, **k: x)
+    mp.setattr(quantsim, "fp4_e2m1_roundtrip", lambda x, *a, **k: x)  # the indexer QAT: Hadamard stays
 
 
 @pytest.fixture(scope="module")
@@ -144,21 +157,28 @@ def synthetic():
     model = load_model(ensure_tiny_model())
     assert model.cfg.compress_ratios == TINY.compress_ratios and model.cfg.window == TINY.window
     toks = np.random.default_rng(7).integers(0, model.cfg.n_vocab, N_SYN).tolist()
-    one_shot = model.forward(model.new_state(N_SYN), toks)
+    with pytest.MonkeyPatch.context() as mp:
+        _no_roundtrips(mp)
+        one_shot = model.forward(model.new_state(N_SYN), toks)
     assert torch.isfinite(one_shot).all()
     return model, toks, one_shot
 
 
 @pytest.mark.parametrize("chunks", [[127, 1, 1, 127], [128, 128], [290] + [1] * 10, [33, 95, 1, 3, 124, 44]])
-def test_synthetic_chunkings(synthetic, chunks):
+def test_synthetic_chunkings(synthetic, chunks, monkeypatch):
     model, toks, one_shot = synthetic
+    _no_roundtrips(monkeypatch)
     state, pos = model.new_state(N_SYN), 0
     for n in chunks + [N_SYN - sum(chunks)]:
         if n:
             out = model.forward(state, toks[pos : pos + n])
             pos += n
     assert pos == N_SYN and state.layers[3].comp.shape[0] == N_SYN // 128
-    assert_close(out, one_shot, f"chunks {chunks}")
+    diff = (out.double() - one_shot.double()).abs()
+    assert out.argmax(-1).tolist() == one_shot.argmax(-1).tolist(), f"chunks {chunks}: argmax differs"
+    assert float(diff.max()) <= SYN_MAX_TOL and float(diff.mean()) <= SYN_MEAN_TOL, (
+        f"chunks {chunks}: max |dlogit| {float(diff.max()):.3e}, mean {float(diff.mean()):.3e}"
+    )
 
 
 def test_query_blocking_is_exact(model, tokens, monkeypatch):
