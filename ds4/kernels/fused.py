@@ -67,7 +67,8 @@ HC_FINISH_ROWS_WARPS = int(os.environ.get("DS4_HC_FINISH_ROWS_WARPS", "8"))
 # the H200 (session 11, profile_regions.py 8192) 14.7 us a call vs 10.3 for the tile form, whole model at 4k
 # ctx 98.33 vs 101.93 tok/s (ab_decode.py, both rounds alike): the 320 serial correctly rounded divisions per
 # thread cost more than the barriers. Session 13: each normalisation divides once (a reciprocal, then four
-# products: _div4), 4x fewer divisions on the serial chain. Off; env DS4_HC_FINISH_SCALAR=1: on.
+# products: _div4), 4x fewer divisions on the serial chain: still slower, 102.87 vs 105.56 tok/s at 4k ctx
+# (ab_decode.py "hc scalar", both rounds alike). Off; env DS4_HC_FINISH_SCALAR=1: on.
 HC_FINISH_SCALAR = os.environ.get("DS4_HC_FINISH_SCALAR", "0") == "1"
 HC_ROWS_BK = 64  # K elements per step of its loop
 HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs

@@ -451,7 +451,9 @@ class Q8Config:
 # alone): off.
 # The int8 variant runs at 4 rows x 1024 per tile: bench_q8.py --variants (session 12) summed a step's Q8_0
 # matvecs to 3.304 ms there vs 3.347 at the f32 kernel's 8 x 512 (default kernel 3.372); whole model at 4k
-# ctx (ab_decode.py "q8 int8 bn4", session 13) 108.27 vs 105.50 tok/s, both rounds alike.
+# ctx (ab_decode.py "q8 int8 bn4", session 13) 108.27 vs 105.50 tok/s, both rounds alike. Off: with it the
+# batched-vs-alone check (tools/gpu/batch_check.py, whose batched rows take q8_rows) measured 2.08e-2 of the
+# logit std at one (row, step) for B = 3, 8 and 16 (bar 2e-2; every argmax equal; 1.4e-2 without it).
 _Q8_INT8 = os.environ.get("DS4_Q8_INT8", "0") == "1"
 Q8_MV1 = Q8Config(
     bn=4 if _Q8_INT8 else 8,
@@ -792,7 +794,11 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # spills, 10-28 KB of shared memory.
 # Split-K at B rows writes and re-reads an f32 [BB, BN] partial per split (8 KB at BB 32, BN 64) next to the
 # split's BN x 34 bytes per block of weights: at 4 blocks a split that is as many bytes as its weights.
-# Env DS4_Q8_ROWS_TARGET / DS4_Q8_ROWS_MIN_BLOCKS for whole-model A/B runs (batch_check.py --variants).
+# Env DS4_Q8_ROWS_TARGET / DS4_Q8_ROWS_MIN_BLOCKS / _STAGES / _BLOCKS for whole-model A/B runs
+# (batch_check.py --variants). H200, session 13 (bench_q8.py --rows, per B = 32 step, default 9.2-9.3 ms):
+# min_blocks 16 / 32 9.21 / 10.36, 5 stages 9.40, 2 / 4 blocks per iteration 9.28 / 10.13, target 528 9.42,
+# BN 32 13.85 (but B = 64: 15.11 vs 19.05), mode int8 10.88; whole B = 32 steps within 0.2 % or slower.
+# None of them is what bounds this kernel; the defaults stay.
 Q8_ROWS = Q8RowsConfig(
     target=int(os.environ.get("DS4_Q8_ROWS_TARGET", "1056")),
     min_blocks=int(os.environ.get("DS4_Q8_ROWS_MIN_BLOCKS", "4")),
@@ -1097,6 +1103,8 @@ HALF_SMALL_B = 8
 # Env DS4_HALF_PREFETCH=1: HalfConfig.prefetch on both.
 _HALF_PREFETCH = os.environ.get("DS4_HALF_PREFETCH", "0") == "1"
 HMV_SMALL = HalfConfig(bn=4, tk=512, warps=4, stages=3, target=1, mode="fma", prefetch=_HALF_PREFETCH)
+# HMV_LARGE.fixup (the split sum in the kernel, 105 torch sums fewer per B = 32 step): B = 16 step 38.41 vs
+# 38.70 ms, B = 32 60.82 vs 60.84 (batch_check.py --variants "hmv fixup", session 13): noise; off.
 HMV_LARGE = HalfConfig(bn=32, tk=128, warps=4, stages=2, target=1056, mode="tf32x2", prefetch=_HALF_PREFETCH)
 
 

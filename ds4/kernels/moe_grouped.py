@@ -463,8 +463,10 @@ class ExpertRuns:
 
 # Pairs up to which expert_runs counts in one program (_expert_runs_kernel) instead of torch's sort: a
 # decode step's B k pairs. The sort ran as a segmented radix sort of ~27 us per layer at B = 32 (H200
-# profile, session 13: 1.2 ms of a 62 ms step, plus the count / cumsum / gather launches around it).
-RUNS_KERNEL_MAX = 4096
+# profile, session 13: 1.2 ms of a 62 ms step, plus the count / cumsum / gather launches around it). With
+# the kernel (batch_check.py --variants "runs sort" = 0 here): B = 32 step 62.63 -> 60.92 ms, B = 16 40.26 ->
+# 38.69 ms. Env DS4_RUNS_KERNEL_MAX.
+RUNS_KERNEL_MAX = int(os.environ.get("DS4_RUNS_KERNEL_MAX", "4096"))
 
 
 @triton.jit
