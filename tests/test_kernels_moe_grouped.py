@@ -78,6 +78,7 @@ def test_expert_runs_kernel_equals_the_sort(B, k, E):
         runs = moe_grouped.expert_runs(ids.to(dtype).to(DEVICE), E)
         for got, ref_t in zip((runs.order, runs.eid, runs.offsets), want, strict=True):
             assert got.dtype == torch.int32 and torch.equal(got.cpu(), ref_t), dtype
+    assert B * k <= moe_grouped.RUNS_KERNEL_MAX  # the kernel's range (beyond it: the sort itself)
 
 
 def _cfg_id(c: moe_grouped.GroupedConfig) -> str:

@@ -465,15 +465,16 @@ class ExpertRuns:
 # decode step's B k pairs. The sort ran as a segmented radix sort of ~27 us per layer at B = 32 (H200
 # profile, session 13: 1.2 ms of a 62 ms step, plus the count / cumsum / gather launches around it). With
 # the kernel (batch_check.py --variants "runs sort" = 0 here): B = 32 step 62.63 -> 60.92 ms, B = 16 40.26 ->
-# 38.69 ms. Env DS4_RUNS_KERNEL_MAX.
-RUNS_KERNEL_MAX = int(os.environ.get("DS4_RUNS_KERNEL_MAX", "4096"))
+# 38.69 ms. 1,024 pairs (B = 170 at k = 6): the kernel's [P, 32] compare tile stays at 128 values a thread
+# (8 warps). Env DS4_RUNS_KERNEL_MAX.
+RUNS_KERNEL_MAX = int(os.environ.get("DS4_RUNS_KERNEL_MAX", "1024"))
 
 
 @triton.jit
 def _expert_runs_kernel(ids_ptr, order_ptr, eid_ptr, offs_ptr, P, E, PP: tl.constexpr, EE: tl.constexpr):
     """One program, ids [P] -> the ExpertRuns arrays by counting: pair i's sorted position is the number of
     pairs j with (e_j, j) < (e_i, i) (a stable sort), offsets[e] the number with e_j < e (e <= E + 1); ids
-    outside [0, E) count as the sentinel E. O(P^2) compares in [PP, BJ] tiles: a few thousand pairs at most.
+    outside [0, E) count as the sentinel E. O(P^2) compares in [PP, BJ] tiles (P <= RUNS_KERNEL_MAX).
     """
     pdl_wait()  # the router's ids (dispatch.PDL)
     BJ: tl.constexpr = 32
