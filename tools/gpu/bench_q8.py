@@ -257,6 +257,8 @@ ROW_CFGS = {  # q8_rows variants timed beside the default (spec: Q8RowsConfig fi
     "mb32 s6": "min_blocks=32,stages=6",
     "bn32 mb16": "bn=32,min_blocks=16",
     "t528": "target=528",
+    "bn128 w8": "bn=128,warps=8",  # half the x re-reads per weight byte (sm_90: 87 registers, 157-op loop)
+    "bn128 w8 mb16": "bn=128,warps=8,min_blocks=16",
 }
 
 
