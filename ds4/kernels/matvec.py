@@ -809,32 +809,45 @@ Q8_ROWS = Q8RowsConfig(
 
 
 @triton.jit
-def _q8_rows_block(qp, dp, xp, bmask, kb, MODE: tl.constexpr):
+def _q8_rows_block(qp, dp, xp, bmask, kb, dxp, XPLANE, MODE: tl.constexpr):
     """[BN, BB] f32 products of 32-block kb (quant pointers qp [BN, 32], scales dp [BN], x pointers xp
-    [BB, 32] of rows bmask): the block's dots in MODE, times its scales."""
+    [BB, 32] of rows bmask): the block's dots in MODE, times its scales. "int8": xp points into x's first
+    int8 plane (the second XPLANE further), dxp [BB] to their scales: the int32 dot q . (254 x1 + x2) as
+    two int8 MMAs, times d_w d_x."""
     d = tl.load(dp + kb).to(tl.float32)  # [BN]
-    xv = tl.load(xp + kb * 32, mask=bmask[:, None], other=0.0)  # [BB, 32] f32
-    if MODE == "bf16x2" or MODE == "bf16x3":
-        q = tl.load(qp + kb * 32).to(tl.float32).to(tl.bfloat16)  # [BN, 32] 8-bit integers: exact
-        hi, mid = _split_bf16(xv)
-        if MODE == "bf16x3":
-            mid, lo = _split_bf16(xv - hi.to(tl.float32))  # the remainder exact in f32, split again
-            part = tl.dot(q, tl.trans(lo))
-            part = tl.dot(q, tl.trans(mid), part)
-        else:
-            part = tl.dot(q, tl.trans(mid))
-        part = tl.dot(q, tl.trans(hi), part)  # [BN, BB]; the small terms first
+    if MODE == "int8":
+        q = tl.load(qp + kb * 32)  # [BN, 32] int8
+        x1 = tl.load(xp + kb * 32, mask=bmask[:, None], other=0)  # [BB, 32] int8
+        x2 = tl.load(xp + XPLANE + kb * 32, mask=bmask[:, None], other=0)
+        # |q . v| <= 32 * 128 * 32385 < 2^31: exact in int32
+        dot = tl.dot(q, tl.trans(x1), out_dtype=tl.int32) * 254
+        dot = tl.dot(q, tl.trans(x2), dot, out_dtype=tl.int32)  # [BN, BB]
+        out = (d[:, None] * tl.load(dxp + kb, mask=bmask, other=0.0)[None, :]) * dot.to(tl.float32)
     else:
-        q = tl.load(qp + kb * 32).to(tl.float32)  # [BN, 32] integers: exact in tf32
-        hi = _tf32_hi(xv)
-        part = tl.dot(q, tl.trans(hi), input_precision="tf32")
-        part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
-    return part * d[:, None]
+        xv = tl.load(xp + kb * 32, mask=bmask[:, None], other=0.0)  # [BB, 32] f32
+        if MODE == "bf16x2" or MODE == "bf16x3":
+            q = tl.load(qp + kb * 32).to(tl.float32).to(tl.bfloat16)  # [BN, 32] 8-bit integers: exact
+            hi, mid = _split_bf16(xv)
+            if MODE == "bf16x3":
+                mid, lo = _split_bf16(xv - hi.to(tl.float32))  # the remainder exact in f32, split again
+                part = tl.dot(q, tl.trans(lo))
+                part = tl.dot(q, tl.trans(mid), part)
+            else:
+                part = tl.dot(q, tl.trans(mid))
+            part = tl.dot(q, tl.trans(hi), part)  # [BN, BB]; the small terms first
+        else:
+            q = tl.load(qp + kb * 32).to(tl.float32)  # [BN, 32] integers: exact in tf32
+            hi = _tf32_hi(xv)
+            part = tl.dot(q, tl.trans(hi), input_precision="tf32")
+            part = tl.dot(q, tl.trans(xv - hi), part, input_precision="tf32")  # [BN, BB]
+        out = part * d[:, None]
+    return out
 
 
 @triton.jit
 def _q8_rows_kernel(
     x_ptr,
+    dx_ptr,
     qs,
     dsc,
     out_ptr,
@@ -845,6 +858,7 @@ def _q8_rows_kernel(
     K,
     NG,
     stride_x,
+    XPLANE,
     kb_per_split,
     BB: tl.constexpr,
     BN: tl.constexpr,
@@ -855,7 +869,8 @@ def _q8_rows_kernel(
 ):
     """Partials out [S, B, N] of x [B, G * K] (row n reads group n // NG) @ W^T, program (row tile, batch
     tile, split); FIXUP: the last split of each tile also writes the sum to sum_ptr [B, N]. MODE: the
-    block products (Q8RowsConfig.mode)."""
+    block products (Q8RowsConfig.mode); "int8": x_ptr the planes [2, B, G * K] int8 (XPLANE apart, rows
+    stride_x = G * K), dx_ptr their scales [B, G * K / 32]."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -869,69 +884,13 @@ def _q8_rows_kernel(
     qp = qs + wrow[:, None] * K + e[None, :]  # [BN, 32]
     dp = dsc + wrow * (K // 32)  # [BN]
     xp = x_ptr + b[:, None].to(tl.int64) * stride_x + xbase + e[None, :]  # [BB, 32]
+    dxp = dx_ptr + b.to(tl.int64) * (stride_x // 32) + xbase // 32  # [BB] (int8)
     kb_lo = pid_s * kb_per_split
     kb_hi = tl.minimum(kb_lo + kb_per_split, K // 32)
     acc = tl.zeros([BN, BB], dtype=tl.float32)
     for kb0 in tl.range(kb_lo, kb_hi, NB, num_stages=STAGES):
         for j in tl.static_range(NB):  # NB blocks per iteration: more bytes in flight per program
-            acc += _q8_rows_block(qp, dp, xp, bmask, kb0 + j, MODE)
-    tile = pid_n * tl.num_programs(1) + pid_b
-    _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
-
-
-@triton.jit
-def _q8_rows_int_kernel(
-    xq_ptr,
-    dx_ptr,
-    qs,
-    dsc,
-    out_ptr,
-    sum_ptr,
-    cnt_ptr,
-    B,
-    N,
-    K,
-    NG,
-    GK,
-    XPLANE,
-    kb_per_split,
-    BB: tl.constexpr,
-    BN: tl.constexpr,
-    STAGES: tl.constexpr,
-    FIXUP: tl.constexpr,
-    NB: tl.constexpr = 1,
-):
-    """_q8_rows_kernel's partials on quantized x (Q8RowsConfig.mode "int8"): xq_ptr the planes [2, B, GK]
-    int8 (XPLANE apart), dx_ptr their scales [B, GK/32]; per block the int32 dot q . (254 x1 + x2), as
-    two int8 MMAs, times d_w d_x."""
-    pdl_wait()  # x's planes come from the quantization launch just before (dispatch.PDL)
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    n = pid_n * BN + tl.arange(0, BN)
-    wrow = tl.minimum(n, N - 1).to(tl.int64)
-    b = pid_b * BB + tl.arange(0, BB)
-    bmask = b < B
-    e = tl.arange(0, 32)
-    xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
-    qp = qs + wrow[:, None] * K + e[None, :]  # [BN, 32]
-    dp = dsc + wrow * (K // 32)  # [BN]
-    xp = xq_ptr + b[:, None].to(tl.int64) * GK + xbase + e[None, :]  # [BB, 32] plane 0
-    dxp = dx_ptr + b.to(tl.int64) * (GK // 32) + xbase // 32  # [BB]
-    kb_lo = pid_s * kb_per_split
-    kb_hi = tl.minimum(kb_lo + kb_per_split, K // 32)
-    acc = tl.zeros([BN, BB], dtype=tl.float32)
-    for kb0 in tl.range(kb_lo, kb_hi, NB, num_stages=STAGES):
-        for j in tl.static_range(NB):
-            kb = kb0 + j
-            q = tl.load(qp + kb * 32)  # [BN, 32] int8
-            x1 = tl.load(xp + kb * 32, mask=bmask[:, None], other=0)  # [BB, 32] int8
-            x2 = tl.load(xp + XPLANE + kb * 32, mask=bmask[:, None], other=0)
-            sc = tl.load(dp + kb).to(tl.float32)[:, None] * tl.load(dxp + kb, mask=bmask, other=0.0)[None, :]
-            # |q . v| <= 32 * 128 * 32385 < 2^31: exact in int32
-            part = tl.dot(q, tl.trans(x1), out_dtype=tl.int32) * 254
-            part = tl.dot(q, tl.trans(x2), part, out_dtype=tl.int32)  # [BN, BB]
-            acc += sc * part.to(tl.float32)
+            acc += _q8_rows_block(qp, dp, xp, bmask, kb0 + j, dxp, XPLANE, MODE)
     tile = pid_n * tl.num_programs(1) + pid_b
     _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
 
@@ -963,18 +922,13 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
         raise ValueError(f"q8_rows: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
     bb, per, grid = q8_rows_plan(B, N, K, cfg)
     o = split_outputs(x.device, grid[2], grid[0] * grid[1], (B, N))  # partials [S, B, N]
+    xq, dx, stride, plane = x, x, x.stride(0), 0
     if cfg.mode == "int8":
-        GK = x.shape[1]
         q, dx = quantize_q8k(x, 2, 32)  # [2, B, GK], [B, GK/32]
-        _q8_rows_int_kernel[grid](
-            q, dx, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, GK, B * GK,
-            per, BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, NB=rows_blocks(K, cfg),
-            num_warps=cfg.warps, launch_pdl=PDL,
-        )  # fmt: skip
-        return o.result()
+        xq, stride, plane = q, q.shape[2], q[0].numel()
     _q8_rows_kernel[grid](
-        x, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, x.stride(0), per,
-        BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode, NB=rows_blocks(K, cfg),
+        xq, dx, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, stride, plane,
+        per, BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode, NB=rows_blocks(K, cfg),
         num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     return o.result()

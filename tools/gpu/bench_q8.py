@@ -371,12 +371,11 @@ def list_plans() -> None:
 _PTR = {"x_ptr": "*fp32", "qs": "*i8", "dsc": "*fp16", "w0": "*i8", "w1": "*fp16", "w2": "*i8", "w3": "*i8"}
 _PTR |= {"out_ptr": "*fp32", "sum_ptr": "*fp32", "cnt_ptr": "*i32", "w_ptr": "*fp16"}
 _PTR |= {"xq_ptr": "*i32", "dx_ptr": "*fp32"}
-_ROWS_INT_PTR = {"xq_ptr": "*i8"}  # _q8_rows_int_kernel reads the planes as bytes
 
 
 # ints that are multiples of 16 at every Flash shape: Triton's launcher specializes such values as divisible
 # by 16 (what lets the quant loads vectorize), so the builds here mark them too
-_DIV16 = ("N", "K", "NG", "stride_x", "XPLANE", "GK")
+_DIV16 = ("N", "K", "NG", "stride_x", "XPLANE")
 
 
 def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "*i8"):
@@ -384,7 +383,7 @@ def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ptr = {**_PTR, "x_ptr": x_type, "qs": qs_type} | (_ROWS_INT_PTR if fn is mv._q8_rows_int_kernel else {})
+    ptr = {**_PTR, "x_ptr": x_type, "qs": qs_type}
     sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
     div = [i for i, a in enumerate(fn.arg_names) if a in ptr or (a in _DIV16 and a not in consts)]
     attrs = {(i,): [["tt.divisibility", 16]] for i in div}
@@ -449,11 +448,9 @@ def compile_only() -> int:
         consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True, "NB": nb}
         wpt = rows.bn * 32 * nb / (32 * rows.warps)
         label = f"q8_rows {mode} BB{bb} BN{rows.bn} NB{nb}"
-        if mode == "int8":
-            runs.append((label, mv._q8_rows_int_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
-        else:
-            consts["MODE"] = mode
-            runs.append((label, mv._q8_rows_kernel, consts, rows.warps, "*fp32", "*i8", wpt))
+        consts["MODE"] = mode
+        x_type = "*i8" if mode == "int8" else "*fp32"  # int8: x's planes
+        runs.append((label, mv._q8_rows_kernel, consts, rows.warps, x_type, "*i8", wpt))
     # _split_fixup's other user
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))
