@@ -140,13 +140,13 @@ def _variants() -> dict[str, dict]:
 
 
 def _rows_variant(name: str) -> dict:
-    """'rows:field=value+...' -> the switch set of that q8_rows config (bench_q8.rows_cfg's fields; '+'
-    between them: --variants is comma-separated)."""
+    """'rows:field=value+...' -> the switch set of that q8_rows config (bench_q8.rows_cfg; '+' between the
+    fields: --variants is comma-separated)."""
+    from bench_q8 import rows_cfg  # tools/gpu, this script's directory
+
     from ds4.kernels import matvec
 
-    kw = dict(item.split("=") for item in name.split(":", 1)[1].split("+"))
-    cfg = replace(matvec.Q8_ROWS, **{k: v if k == "mode" else int(v) for k, v in kw.items()})
-    return {(matvec, "Q8_ROWS"): cfg}
+    return {(matvec, "Q8_ROWS"): rows_cfg(name.split(":", 1)[1].replace("+", ","))}
 
 
 def time_variants(names: list[str], batches: list[int], ctx: int, steps: int, rounds: int) -> None:
