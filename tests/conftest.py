@@ -52,29 +52,28 @@ def shared_dir() -> Path:
     return SHARED
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _torch_one_thread_session():
-    """One torch thread before any module-scoped fixture runs: those (a module's reference logits) are set
-    up before the per-test fixture below, and a matmul at another thread count rounds differently."""
+def _one_torch_thread() -> None:
     try:
         import torch
     except ImportError:  # pragma: no cover - the text layer's tests need no torch
         return
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_one_thread_session():
+    """One torch thread before any module-scoped fixture runs: those (a module's reference logits) are set
+    up before the per-test fixture below, and a matmul at another thread count rounds differently."""
+    _one_torch_thread()
 
 
 @pytest.fixture(autouse=True)
 def _torch_one_thread():
     """One torch thread: the test models are tiny, and on a shared 2-core machine extra threads only contend
     (decode ran 10x slower with two). Re-applied after each test: in-process CLI runs may change it (-t N)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - the text layer's tests need no torch
-        yield
-        return
-    torch.set_num_threads(1)
+    _one_torch_thread()
     yield
-    torch.set_num_threads(1)
+    _one_torch_thread()
 
 
 def cuda_available() -> bool:

@@ -455,9 +455,10 @@ class Q8Config:
 # batched-vs-alone check (tools/gpu/batch_check.py, whose batched rows take q8_rows) measured 2.08e-2 of the
 # logit std at one (row, step) for B = 3, 8 and 16 (bar 2e-2; every argmax equal; 1.4e-2 without it).
 _Q8_INT8 = os.environ.get("DS4_Q8_INT8", "0") == "1"
+Q8_INT8_TILE = {"bn": 4, "tk": 1024}  # the int8 variant's tile (tools replace Q8_MV1 with it)
 Q8_MV1 = Q8Config(
-    bn=4 if _Q8_INT8 else 8,
-    tk=1024 if _Q8_INT8 else 512,
+    bn=Q8_INT8_TILE["bn"] if _Q8_INT8 else 8,
+    tk=Q8_INT8_TILE["tk"] if _Q8_INT8 else 512,
     warps=4,
     stages=1,
     target=2112,

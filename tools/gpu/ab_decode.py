@@ -75,7 +75,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
     "q8 int8 bn16": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, bn=16, tk=256)},
-    "q8 int8 bn4": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, bn=4, tk=1024)},
+    "q8 int8 bn4": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, **mv.Q8_INT8_TILE)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),
         (mv, "HMV_LARGE"): replace(mv.HMV_LARGE, prefetch=True),

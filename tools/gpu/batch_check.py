@@ -131,10 +131,10 @@ def _variants() -> dict[str, dict]:
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
         "hmv fixup": {(matvec, "HMV_LARGE"): replace(matvec.HMV_LARGE, fixup=True)},
-        "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, bn=4, tk=1024)},
+        "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
-            (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, bn=4, tk=1024),
+            (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE),
         },
     }
 

@@ -193,7 +193,7 @@ VARIANTS = {
     "int8": replace(mv.Q8_MV1, int8=True),  # x quantized (2 planes per 32 values), dp4a
     "int8 bn16": replace(mv.Q8_MV1, int8=True, bn=16, tk=256),
     "int8 tk1024": replace(mv.Q8_MV1, int8=True, tk=1024),
-    "int8 bn4": replace(mv.Q8_MV1, int8=True, bn=4, tk=1024),
+    "int8 bn4": replace(mv.Q8_MV1, int8=True, **mv.Q8_INT8_TILE),
 }
 
 
