@@ -347,16 +347,20 @@ def _iq2_sign_bits(s):
 
 @triton.jit
 def _iq2_load(qs, sg, dd, wrow, kt, nb):
-    """The IQ2_XXS bytes of super-block kt of rows wrow (sg: the sub-block words as bytes): (grid indices
-    [BN, 8, 4] u8, sub-block words [BN, 8, 1] int32, scales [BN] f32)."""
-    sb = tl.arange(0, 8)[None, :, None]
+    """The IQ2_XXS bytes of super-block kt of rows wrow [BN] (sg: the sub-block words as bytes): (grid indices
+    [BN, 8, 4] int32 of group 4 sb + lg, sub-block words [BN, 8, 1] int32, scales [BN] f32).
+    Layout (sm_90, Nsight Compute, session 14): Triton lays a tensor out by its loads' contiguity, ties broken
+    by dimension order. Loaded as [BN, 8, 4] (4 contiguous bytes per group), a warp took 16 rows x 2 sub-
+    blocks, 16 L1 tag requests per 128-byte load where 4 serve, and the L1 tag stage (~1 request per clock
+    per SM) bounded the gate/up kernels. Here a row's 32 bytes load as one contiguous [BN, 32] run (a warp:
+    4 rows x 32 bytes, 4 sectors); _signed_words_sb keeps the grid gathers in that layout."""
+    BN: tl.constexpr = wrow.shape[0]
     lg = tl.arange(0, 4)[None, None, :]
-    w3 = wrow[:, None, None]
-    idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)
-    # the sub-block word from its 4 bytes, loaded in the grid indices' shape and summed within a thread: an
-    # int32 [BN, 8, 1] load took a layout of its own and shared-memory conversions (barriers) per block
-    a1b = tl.load(sg + (w3 * (nb * 8) + kt * 8 + sb) * 4 + lg).to(tl.int32)  # [BN, 8, 4] bytes lg
-    a1 = tl.sum(a1b << (8 * lg), axis=2)[:, :, None]
+    run = wrow[:, None] * (nb * 32) + kt * 32 + tl.arange(0, 32)[None, :]  # [BN, 32] byte offsets
+    idx = tl.reshape(tl.load(qs + run), (BN, 8, 4)).to(tl.int32)
+    # the sub-block word from its 4 bytes, summed within a thread (lg is): an int32 [BN, 8, 1] load took a
+    # layout of its own and shared-memory conversions (barriers) per block
+    a1 = tl.sum(tl.reshape(tl.load(sg + run), (BN, 8, 4)).to(tl.int32) << (8 * lg), axis=2)[:, :, None]
     d = tl.load(dd + wrow * nb + kt).to(tl.float32)
     return idx, a1, d
 
@@ -523,6 +527,19 @@ def _signed_words(
 
 
 @triton.jit
+def _signed_words_sb(
+    tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr = False
+):
+    """_signed_words of [BN, 8, 4] grid rows idx / sign indices si, gathered as [8, BN, 4] (sub-block first):
+    a gather has no contiguity, so Triton lays it out by dimension order, and in this order its default
+    layout is the one _iq2_load's contiguous runs take (see there): no conversion through shared memory."""
+    wlo, whi = _signed_words(
+        tab, ksm, tl.permute(idx, (1, 0, 2)), tl.permute(si, (1, 0, 2)), SIGN_MATH, PTX, POS_REG
+    )
+    return tl.permute(wlo, (1, 0, 2)), tl.permute(whi, (1, 0, 2))
+
+
+@triton.jit
 def _iq2_q8k_dot(
     idx,
     a1,
@@ -555,7 +572,7 @@ def _iq2_q8k_dot(
             wlo = _negate_bytes(lo, m.to(tl.int32))
             whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
     else:  # one L1 gather per group (two with gathered masks); signed grid bytes shared by both planes
-        wlo, whi = _signed_words(tab64, ksm, idx.to(tl.int32), si, SIGN_MATH, DP4A)
+        wlo, whi = _signed_words_sb(tab64, ksm, idx, si, SIGN_MATH, DP4A)
     dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
     if TERMS == 2:
         dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)
@@ -704,15 +721,30 @@ def _q2k_block(qw, sc, wrow, kt, nb, BN: tl.constexpr):
     _split4) and scale bytes s0..s3 [BN, 4c] int32 of shifts t = 0..3 (index layout: _q2k_q8k_down_kernel).
     The scale bytes are read as their group half's 8 contiguous bytes and picked by c's parity: a
     [BN, 4c, 4t] load of the stride-2 bytes took a layout of its own, and the sums using them a
-    shared-memory conversion per shift (barriers in every k step on sm_90)."""
+    shared-memory conversion per shift (barriers in every k step on sm_90).
+    Layout (sm_90, Nsight Compute, session 14): Triton lays a tensor out by its loads' contiguity, ties
+    broken by dimension order, so [BN, 4c, 4jj] word loads put 32 rows in a warp, one 16-byte quarter of a
+    row per lane: 32 L1 tag requests per load where 16 serve. The words load as [BN, 16] runs (a warp: 8
+    rows x 64 bytes) and the scale bytes as [4c, BN, 8] (c first), both the same lanes-to-(row, c) map."""
     c = tl.arange(0, 4)
-    qoff = (c[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]  # [1, 4c, 4jj] quant word
-    hoff = ((c // 2) * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]  # [1, 4c, 8] c's half's bytes
-    w0, w1, w2, w3 = _split4(tl.load(qw + wrow[:, None, None] * (nb * 16) + kt * 16 + qoff))
-    sc8 = tl.load(sc + wrow[:, None, None] * (nb * 16) + kt * 16 + hoff)  # [BN, 4c, 8] u8
+    qrun = wrow[:, None] * (nb * 16) + kt * 16 + tl.arange(0, 16)[None, :]  # [BN, 16] quant words 4c + jj
+    w0, w1, w2, w3 = _split4(tl.reshape(tl.load(qw + qrun), (BN, 4, 4)))
+    hoff = ((c // 2) * 8)[:, None, None] + tl.arange(0, 8)[None, None, :]  # [4c, 1, 8] c's half's bytes
+    sc8 = tl.permute(tl.load(sc + wrow[None, :, None] * (nb * 16) + kt * 16 + hoff), (1, 0, 2))  # [BN, 4c, 8]
     ev, od = tl.split(tl.reshape(sc8, (BN, 4, 4, 2)))  # [BN, 4c, 4t]: bytes 2t / 2t + 1 of c's half
     s0, s2, s1, s3 = _split4(tl.where((c % 2 == 1)[None, :, None], od, ev).to(tl.int32))
     return w0, w1, w2, w3, s0, s1, s2, s3
+
+
+@triton.jit
+def _q2k_scales(dm, wrow, kt, nb):
+    """(d, dmin) [BN, 4c] f32 of Q2_K super-block kt of rows wrow, the same for every c, in _q2k_block's
+    layout: loaded as [4c, BN, 2] (see _q2k_block), where [BN] loads took a layout of their own and a
+    shared-memory conversion per k step at BN 128."""
+    c = tl.arange(0, 4)[:, None, None]
+    off = wrow[None, :, None] * (nb * 2) + kt * 2 + tl.arange(0, 2)[None, None, :] + c * 0  # [4c, BN, 2]
+    d, dmin = tl.split(tl.permute(tl.load(dm + off), (1, 0, 2)).to(tl.float32))
+    return d, dmin
 
 
 @triton.jit
@@ -841,8 +873,7 @@ def _q2k_q8k_down_kernel(
         for kt in range(lo, hi):
             ii, mm = _q2k_block_sums(xo, xplane, qw, sc, wrow, kt, nb, BN, TERMS, DP4A)
             dx = tl.load(xd + kt)
-            d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None]
-            dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None]
+            d, dmin = _q2k_scales(dm, wrow, kt, nb)
             acc += (d * dx) * ii.to(tl.float32) - (dmin * dx) * mm.to(tl.float32)
         acc = acc[:, :, None]  # [BN, 4, 1]: reduced below as the prefetch path's [BN, 4, 4]
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)

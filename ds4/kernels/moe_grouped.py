@@ -48,9 +48,11 @@ from .moe import (
     GATE_UP,
     _dot4,
     _dot16,
+    _iq2_load,
     _pick,
     _q2k_block,
-    _signed_words,
+    _q2k_scales,
+    _signed_words_sb,
     _split4,
     group_by_expert,
     iq2_tables,
@@ -70,19 +72,10 @@ def _iq2_decode(
     2 ls + 1 per sub-block, d [BN] f32), as moe.py's _iq2_q8k_block decodes them (moe._signed_words: tab64 /
     ksm the launcher's tables, SIGN_MATH the computed sign masks, PTX the byte permutes as PTX, POS_REG as
     GroupedConfig.pos_reg)."""
-    sb = tl.arange(0, 8)[None, :, None]
+    idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)  # its layout note: why the loads look as they do
     lg = tl.arange(0, 4)[None, None, :]
-    w3 = wrow[:, None, None]
-    idx = tl.load(qs + w3 * (nb * 32) + kt * 32 + sb * 4 + lg)  # [BN, 8, 4] u8 grid index
-    # [BN, 8, 1] int32 sub-block word, from its 4 bytes (sg as bytes): loaded in the grid indices' shape and
-    # summed within a thread (lg is), where an int32 [BN, 8, 1] load took a layout of its own and two
-    # shared-memory conversions per block (barriers) on sm_90
-    a1b = tl.load(sg + (w3 * (nb * 8) + kt * 8 + sb) * 4 + lg).to(tl.int32)  # [BN, 8, 4] bytes lg
-    a1w = tl.sum(a1b << (8 * lg), axis=2)  # [BN, 8]
-    a1 = a1w[:, :, None]
-    d = tl.load(dd + wrow * nb + kt).to(tl.float32)
-    si = (a1 >> (7 * lg)) & 127  # [BN, 8, 4] sign indices
-    wlo, whi = _signed_words(tab64, ksm, idx.to(tl.int32), si, SIGN_MATH, PTX, POS_REG)
+    wlo, whi = _signed_words_sb(tab64, ksm, idx, (a1 >> (7 * lg)) & 127, SIGN_MATH, PTX, POS_REG)
+    a1w = tl.reshape(a1, (wrow.shape[0], 8))
     return wlo, whi, 2 * ((a1w >> 28) & 15) + 1, d
 
 
@@ -345,8 +338,7 @@ def _down_grouped_kernel(
         # quant words and scale bytes [BN, 4c] in one layout (moe._q2k_block; sm_90 bn 64, 2 pairs: 491 ->
         # 468 loop instructions, 80 -> 72 registers, no barriers, against the stride-2 scale-byte load)
         w0, w1, w2, w3, s0, s1, s2, s3 = _q2k_block(qw, sc, wrow, kt, nb, BN)
-        d = tl.load(dm + wrow * (nb * 2) + kt * 2).to(tl.float32)[:, None]
-        dmin = tl.load(dm + wrow * (nb * 2) + kt * 2 + 1).to(tl.float32)[:, None]
+        d, dmin = _q2k_scales(dm, wrow, kt, nb)
         kx = kt * 64  # x words / group sums of super-block kt
         kz = kt * 16
         i0 = tl.zeros([BN, 4], dtype=tl.int32)

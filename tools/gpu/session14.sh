@@ -3,7 +3,12 @@
 #   part a: Nsight Compute on the kernels that bound issues 5 and 8 (tools/gpu/ncu_probe.py: routed experts
 #           at B = 32 grouped and B = 1 pairs, Q8_0 at B = 1 and 32): speed of light, occupancy, warp
 #           stall reasons, and the SASS lines with the most stall samples; then bench_q8 --rows (BN 128).
-# Usage: bash tools/gpu/session14.sh a
+#   part b: the routed-expert kernels' loads coalesced (moe._iq2_load / _q2k_block / _q2k_scales, the grid
+#           gathers by _signed_words_sb): GPU tests, bench_moe_grouped.py (B = 8 / 16 / 32 per layer),
+#           bench_moe.py --quick (B = 1), and Nsight Compute again on the probe (L1 tag requests).
+#   part c: the same change on the whole model: decode at 4k ctx (B = 1), the B = 16 / 32 step, and the
+#           batched-vs-alone check.
+# Usage: bash tools/gpu/session14.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 NCU_SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats \
  --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -22,4 +27,23 @@ if [ "$1" = a ]; then
   done
   ls -la "$OUT"
   TAIL=24 run rows "$(left)" python3 tools/gpu/bench_q8.py --rows
+fi
+if [ "$1" = b ]; then
+  TAIL=6 run tests 170 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe.py \
+    tests/test_kernels_moe_grouped.py
+  TAIL=40 run grouped 110 python3 tools/gpu/bench_moe_grouped.py
+  TAIL=30 run pair 100 python3 tools/gpu/bench_moe.py --quick
+  NCU=$(which ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  TAIL=3 run ncu "$(left)" env DS4_PDL=0 "$NCU" --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section Occupancy --section SourceCounters --section LaunchStats \
+    -f -o "$OUT/probe" python3 tools/gpu/ncu_probe.py
+  "$NCU" --import "$OUT/probe.ncu-rep" --page details > "$OUT/details.txt" 2>&1
+  rm -f "$OUT/probe.ncu-rep"
+  grep -E "^  [_a-z].*Context|Duration|L1/TEX Cache Throughput|Compute \(SM\)|Registers Per|Achieved Occ|excessive" \
+    "$OUT/details.txt" | grep -v "at::" | cut -c1-120 | head -80
+fi
+if [ "$1" = c ]; then
+  TAIL=8 run ab 200 python3 tools/gpu/ab_decode.py --rounds 2 --variants "q8 int8 bn4"
+  TAIL=12 run step 190 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16
+  TAIL=14 run check "$(left)" python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
 fi
