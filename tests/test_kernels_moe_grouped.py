@@ -11,6 +11,8 @@ nothing (expert parallel: other ranks' experts).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _kernel_env import CUDA, DEVICE, generator, rel_err
@@ -28,9 +30,12 @@ IDS = [[0, 4, 2], [4, 4, 1], [2, 0, 4]]
 # Two row tiles (a partial one), four pairs per program (every run in one program); one row tile, two pairs
 # per program (expert 4's run split over two programs), one activation plane. The interpreter never uses
 # dp4a (CPU tensors); on a GPU both do.
+# The last two take the down projection through the pair kernel (pair_down, the engine's default).
 CONFIGS = [
     moe_grouped.GroupedConfig(bn_gu=16, bn_dn=32, pairs=4, pairs_dn=4, sign_math=False),
     moe_grouped.GroupedConfig(bn_gu=32, bn_dn=64, pairs=2, pairs_dn=1, terms=1, warps=2),
+    moe_grouped.GroupedConfig(bn_gu=16, pairs=4, pair_down=True),
+    moe_grouped.GroupedConfig(bn_gu=32, pairs=2, terms=1, warps=2, pair_down=True),
 ]
 
 
@@ -82,7 +87,7 @@ def test_expert_runs_kernel_equals_the_sort(B, k, E):
 
 
 def _cfg_id(c: moe_grouped.GroupedConfig) -> str:
-    return f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-{c.pairs_dn}-t{c.terms}"
+    return f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-{c.pairs_dn}-t{c.terms}" + "-pairdown" * c.pair_down
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
@@ -124,12 +129,14 @@ def test_grouped_decode_variants_change_no_bit(variant):
     assert torch.equal(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg), want)
 
 
-def test_routed_grouped_other_ranks_experts_add_nothing():
-    """Ids outside [0, E) (here 7 and -1) give zero mid rows and no down contribution; the rest equals the
-    twin on the valid pairs only (their weights kept, the others' zeroed)."""
+@pytest.mark.parametrize("pair_down", [False, True])
+def test_routed_grouped_other_ranks_experts_add_nothing(pair_down):
+    """Ids outside [0, E) (here 7 and -1) give zero mid rows and no down contribution, through the grouped
+    down kernel and through the pair one; the rest equals the twin on the valid pairs only (their weights
+    kept, the others' zeroed)."""
     ids_l = [[0, 7, 2], [4, 4, -1], [2, 0, 4]]
     wg, wu, wd, ids, x, _, weights = _case(256, 256, 16, ids_l, 60)  # F = K: mid feeds the down stack
-    cfg = moe_grouped.GroupedConfig(bn_gu=WIDE, bn_dn=16, pairs=3, pairs_dn=3)
+    cfg = moe_grouped.GroupedConfig(bn_gu=WIDE, bn_dn=16, pairs=3, pairs_dn=3, pair_down=pair_down)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg)
     ok = (ids >= 0) & (ids < E)
     safe = torch.where(ok, ids, 0)
@@ -140,6 +147,23 @@ def test_routed_grouped_other_ranks_experts_add_nothing():
     want = ref.moe_down_q8k(mid_ref, weights * ok, wd, safe)
     assert rel_err(got, want) < CHAIN_TOL
     assert rel_err(got, ref.moe_down_q8k(mid_ref, weights, wd, safe)) > 1e-3  # the zeroing is visible
+
+
+@pytest.mark.parametrize("pair_down", [False, True])
+def test_down_other_ranks_experts_add_nothing_on_any_mid(pair_down):
+    """The down projection alone, on random (nonzero) mid rows: the per-slot terms of ids outside [0, E) are
+    zero, the others equal the twin's (the gate/up zeros would hide a down kernel that read a clamped
+    expert)."""
+    ids_l = [[0, 7, 2], [4, 4, -1], [2, 0, 4]]
+    _, _, wd, ids, _, mid, weights = _case(16, 256, 40, ids_l, 62)
+    cfg = moe_grouped.GroupedConfig(bn_dn=16, pairs_dn=2, pair_down=pair_down)
+    got = moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg, per_slot=True)  # [B, k, D]
+    ok = (ids >= 0) & (ids < E)
+    assert torch.equal(got[~ok], torch.zeros_like(got[~ok]))
+    safe = torch.where(ok, ids, 0)
+    for j in range(ids.shape[1]):
+        want = ref.moe_down_q8k(mid[:, j, None], weights[:, j, None] * ok[:, j, None], wd, safe[:, j, None])
+        assert rel_err(got[:, j], want) < F32_TOL
 
 
 def test_bad_input_is_named():
@@ -174,8 +198,10 @@ def test_flash_widths_match_pair_kernels_and_capture():
     mid_pairs = moe.moe_gate_up(x, wg, wu, ids, 10.0, gu_cfg)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0)
     assert rel_err(mid, mid_pairs) < F32_TOL
-    got = moe_grouped.moe_down_grouped(mid_pairs, w, wd, ids)
-    assert rel_err(got, moe.moe_down(mid_pairs, w, wd, ids, dn_cfg)) < F32_TOL
+    for pair_down in (False, True):
+        cfg = replace(moe_grouped.CONFIG, pair_down=pair_down)
+        got = moe_grouped.moe_down_grouped(mid_pairs, w, wd, ids, cfg)
+        assert rel_err(got, moe.moe_down(mid_pairs, w, wd, ids, dn_cfg)) < F32_TOL
     ids4, x4, w4 = inputs(4)
     got4 = moe_grouped.moe_routed_grouped(x4, ids4, w4, wg, wu, wd, 10.0)
     want4 = ref.moe_down_q8k(ref.moe_gate_up_q8k(x4, wg, wu, ids4, 10.0), w4, wd, ids4)
@@ -193,15 +219,17 @@ def test_flash_widths_match_pair_kernels_and_capture():
     assert rel_err(out, want) < CHAIN_TOL
 
 
-def test_batch_routed_takes_grouped_path_and_expert_parallel(monkeypatch):
+@pytest.mark.parametrize("pair_down", [False, True])
+def test_batch_routed_takes_grouped_path_and_expert_parallel(monkeypatch, pair_down):
     """batch._routed: from MOE_GROUPED_MIN_ROWS rows the grouped kernels, below them the pair path; under
     expert parallel (faked: rank 1 of 2, all_reduce the identity) only this rank's experts E .. 2E - 1 add,
-    equal to the twin on those pairs."""
+    equal to the twin on those pairs (down grouped or by the pair kernel)."""
     from types import SimpleNamespace
 
     from ds4.model.cuda import batch
 
-    monkeypatch.setattr(moe_grouped, "CONFIG", moe_grouped.GroupedConfig(bn_gu=WIDE, bn_dn=16, pairs=2))
+    cfg = moe_grouped.GroupedConfig(bn_gu=WIDE, bn_dn=16, pairs=2, pair_down=pair_down)
+    monkeypatch.setattr(moe_grouped, "CONFIG", cfg)
     monkeypatch.setattr(batch, "MOE_GROUPED_MIN_ROWS", 8)
     monkeypatch.setattr(batch.kmoe, "GATE_UP", moe.MoeConfig(16, 1, 4, int8=True))
     calls = []

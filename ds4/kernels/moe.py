@@ -815,6 +815,7 @@ def _q2k_q8k_down_kernel(
     out_ptr,
     D,
     F,
+    E,
     xplane,
     kt_per_split,
     BN: tl.constexpr,
@@ -831,19 +832,23 @@ def _q2k_q8k_down_kernel(
     16-byte group: half c // 2, byte group c % 2) shifted by 2t holds elements 128 (c // 2) + 32 t
     + 16 (c % 2) + 4 jj + 0..3, scale byte 8 (c // 2) + 2 t + c % 2. PREFETCH: as the gate/up kernel.
     FIXUP: partials go to out [S, k, B, D] instead, and the last of the S k programs of each (row, tile)
-    (counters cnt_ptr [B, D tiles]) writes their sum, in (split, slot) order, to sum_ptr [B, D]."""
+    (counters cnt_ptr [B, D tiles]) writes their sum, in (split, slot) order, to sum_ptr [B, D]. A pair
+    whose expert id lies outside [0, E) (another rank's, under expert parallelism) reads nothing and
+    contributes zeros."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
     e = tl.load(ids_ptr + pair).to(tl.int64)
+    live = (e >= 0) & (e < E)
+    e = tl.minimum(tl.maximum(e, 0), E - 1)
     rw = tl.load(rw_ptr + pair).to(tl.float32)
     n = pid_n * BN + tl.arange(0, BN)
     wrow = e * D + tl.minimum(n, D - 1)
     nb = F // 256
     xo = xw_ptr + pair.to(tl.int64) * (F // 4)
     lo = pid_s * kt_per_split
-    hi = tl.minimum(lo + kt_per_split, nb)
+    hi = tl.where(live, tl.minimum(lo + kt_per_split, nb), lo)
     xd = dx_ptr + pair.to(tl.int64) * nb
     if PREFETCH:  # block lo's bytes now; each step loads block kt + 1 before it computes block kt
         t = tl.arange(0, 4)
@@ -1111,7 +1116,7 @@ def moe_down(
         if int8:
             return ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)
         return ref.moe_down(mid, weights, wd, ids)
-    D = wd.N
+    E, D = wd.shape[0], wd.N
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down")
     if B * k == 0:
         return torch.zeros(B, D, dtype=torch.float32, device=mid.device)
@@ -1123,7 +1128,7 @@ def moe_down(
     if int8:
         xq, dx = quantize_q8k(mid, cfg.terms)
         w = wd.data
-        args = (xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F)
+        args = (xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F, E)
         kw = dict(
             BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), PREFETCH=cfg.prefetch, num_warps=cfg.warps,
             launch_pdl=PDL,
@@ -1151,6 +1156,26 @@ def moe_down(
     return part.sum((0, 2))  # fixed order over the splits and k slots: deterministic
 
 
+def moe_down_slots(
+    mid: torch.Tensor, weights: torch.Tensor, wd: PackedWeight, ids: torch.Tensor, cfg: MoeConfig
+):
+    """The int8 Q2_K pair kernel's per-slot terms [B, k, D] f32 = weights[b, j] * Wd[ids[b, j]] @ mid[b, j]
+    in one k-split, zeros where ids[b, j] lies outside [0, E): the batched step's down projection
+    (moe_grouped.GroupedConfig.pair_down). mid [B, k, F] f32 on a Triton device, wd a Q2_K stack; the
+    caller (moe_grouped.moe_down_grouped) has checked the shapes."""
+    B, k, F = mid.shape
+    E, D = wd.shape[0], wd.N
+    xq, dx = quantize_q8k(mid.reshape(B * k, F), cfg.terms)
+    part = torch.empty(B, k, D, dtype=torch.float32, device=mid.device)
+    w, ids = wd.data, ids.to(torch.int32).contiguous()
+    _q2k_q8k_down_kernel[(triton.cdiv(D, cfg.bn), B * k, 1)](
+        xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids,
+        weights.float().contiguous(), part, D, F, E, B * k * F // 4, F // 256, BN=cfg.bn, TERMS=cfg.terms,
+        DP4A=_dp4a(mid, cfg), num_warps=cfg.warps, launch_pdl=PDL,
+    )  # fmt: skip
+    return part
+
+
 def group_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (row, slot) pairs of ids [T, k] by expert, on ids' device without host syncs.
 
@@ -1166,4 +1191,13 @@ def group_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, to
     return order, offsets
 
 
-__all__ = ["DOWN", "GATE_UP", "MoeConfig", "group_by_expert", "moe_down", "moe_gate_up", "quantize_q8k"]
+__all__ = [
+    "DOWN",
+    "GATE_UP",
+    "MoeConfig",
+    "group_by_expert",
+    "moe_down",
+    "moe_down_slots",
+    "moe_gate_up",
+    "quantize_q8k",
+]

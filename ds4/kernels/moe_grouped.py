@@ -32,7 +32,7 @@ D down output rows (= K), PT pairs per program, BN output rows per program, nb s
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -45,6 +45,7 @@ from .dispatch import PDL, pdl_wait
 from .intq import dp4a_ok
 from .matvec import check_weight, prep_x, use_triton
 from .moe import (
+    DOWN,
     GATE_UP,
     _dot4,
     _dot16,
@@ -56,6 +57,7 @@ from .moe import (
     _split4,
     group_by_expert,
     iq2_tables,
+    moe_down_slots,
     quantize_q8k,
 )
 from .packing import PackedWeight
@@ -405,6 +407,7 @@ class GroupedConfig:
     prmt: bool = False  # gate/up: nibble tables and byte permutes (as moe.MoeConfig.prmt)
     chain: bool = False  # gate/up: one dp4a chain per sub-block and plane (_iq2_pair)
     pos_reg: bool = False  # gate/up, prmt: the permutes' positive word loaded, not a constant (_prmt_words)
+    pair_down: bool = False  # down by the pair kernel (moe.moe_down_slots at moe.DOWN's tile), not grouped
 
     def __post_init__(self) -> None:
         for name in ("pairs", "pairs_dn"):
@@ -428,9 +431,15 @@ class GroupedConfig:
 # both 389 / 96): session 9, B = 32 727.1 / 769.4 / 789.0 us against 726.2: no gain, off. Env
 # DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_SIGN_MATH=0, DS4_MOE_GROUPED_GRID16=1 (with prmt off),
 # DS4_MOE_GROUPED_CHAIN=1, DS4_MOE_GROUPED_POS_REG=1.
+# Session 14 (coalesced weight loads, moe._iq2_load / _q2k_block; same bench, per layer): gate/up with the
+# sign nibbles gathered beats computing them, B = 8 / 16 / 32 160.5 / 291.7 / 521.9 us vs 174.2 / 313.3 /
+# 540.9: sign_math off (env DS4_MOE_GROUPED_SIGN_MATH=1: on). The pair kernel's down (moe.DOWN, 56
+# registers) beats the grouped one (bn 128 / 2 pairs, 153 registers, 18 % occupancy) at every B: 57.4 /
+# 103.2 / 193.1 vs 79.5 / 134.0 / 232.5 us: pair_down on (env DS4_MOE_GROUPED_PAIR_DOWN=0: off).
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 CONFIG = GroupedConfig(
-    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "1") == "1",
+    sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0") == "1",
+    pair_down=os.environ.get("DS4_MOE_GROUPED_PAIR_DOWN", "1") == "1",
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=_PRMT,
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",
@@ -631,6 +640,11 @@ def moe_down_grouped(
         return torch.stack(one, 1) if one else torch.zeros(B, 0, D, dtype=torch.float32, device=mid.device)
     if B * k == 0:
         part = torch.zeros(B, k, D, dtype=torch.float32, device=mid.device)
+        return part if per_slot else part.sum(1)
+    if cfg.pair_down:
+        mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped").view(B, k, F)
+        pair = replace(DOWN, int8=True, terms=cfg.terms, dp4a=cfg.dp4a)  # the pair kernel's tile
+        part = moe_down_slots(mid, weights, wd, ids, pair)
         return part if per_slot else part.sum(1)
     runs = runs or expert_runs(ids, E)
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped")

@@ -132,6 +132,8 @@ def _variants() -> dict[str, dict]:
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
         "hmv fixup": {(matvec, "HMV_LARGE"): replace(matvec.HMV_LARGE, fixup=True)},
         "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)},
+        "grouped down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pair_down=False)},
+        "grouped sign math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sign_math=True)},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
             (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE),

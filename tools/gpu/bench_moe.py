@@ -333,6 +333,7 @@ def _int8_runs(quick: bool) -> list[tuple]:
         "out_ptr": "*fp32",
         "D": "i32",
         "F": "i32",
+        "E": "i32",
         "xplane": "i32",
         "kt_per_split": "i32",
     }

@@ -6,8 +6,9 @@
 #   part b: the routed-expert kernels' loads coalesced (moe._iq2_load / _q2k_block / _q2k_scales, the grid
 #           gathers by _signed_words_sb): GPU tests, bench_moe_grouped.py (B = 8 / 16 / 32 per layer),
 #           bench_moe.py --quick (B = 1), and Nsight Compute again on the probe (L1 tag requests).
-#   part c: the same change on the whole model: decode at 4k ctx (B = 1), the B = 16 / 32 step, and the
-#           batched-vs-alone check.
+#   part c: the same change on the whole model, with the batched step's down by the pair kernel
+#           (GroupedConfig.pair_down) and gathered sign nibbles: grouped-kernel tests, decode at 4k ctx
+#           (B = 1), the B = 16 / 32 step against both old choices, the batched-vs-alone check.
 # Usage: bash tools/gpu/session14.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 NCU_SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats \
@@ -43,7 +44,9 @@ if [ "$1" = b ]; then
     "$OUT/details.txt" | grep -v "at::" | cut -c1-120 | head -80
 fi
 if [ "$1" = c ]; then
-  TAIL=8 run ab 200 python3 tools/gpu/ab_decode.py --rounds 2 --variants "q8 int8 bn4"
-  TAIL=12 run step 190 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16
+  TAIL=4 run tests 80 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py
+  TAIL=8 run ab 180 python3 tools/gpu/ab_decode.py --rounds 2 --variants "q8 int8 bn4"
+  TAIL=12 run step 190 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
+    --variants "grouped down,grouped sign math"
   TAIL=14 run check "$(left)" python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
 fi
