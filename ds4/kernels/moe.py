@@ -933,6 +933,13 @@ def _q2k_q8k_down_kernel(
 # per super-block, shift by shift in the quant words' layout (_q2k_block_sums; 475 -> 393 instructions,
 # 80 -> 56 registers, 6 -> 0 BAR; equal to the old op order up to f32 rounding). The loads of step kt + 1
 # no longer wait behind step kt's barriers.
+# Session 14 (Nsight Compute on the H200, tools/gpu/ncu_probe.py): the gate/up kernels (B = 1 pairs, B = 32
+# grouped) ran at 88 % of L1 throughput, the L1 tag stage taking ~1 request per clock per SM: per k step
+# ~44 % of the requests were the weight loads (16 sectors per 128-byte warp load: a warp spanned 16 rows,
+# 76 % of the sectors excess) and ~44 % the table gathers (~8 lines each); the down kernels' word loads were
+# uncoalesced too (32 sectors where 16 serve). With the loads as contiguous runs (_iq2_load, _q2k_block,
+# _q2k_scales; bench_moe.py --quick, B = 1, against session 9's run) gate+up 33.7 -> 26.5 us, down 21.4 ->
+# 15.3 us per layer.
 
 
 def iq2_tables(device: torch.device, grid16: bool = False, prmt: bool = False):
