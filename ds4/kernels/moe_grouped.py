@@ -23,7 +23,10 @@ store nothing. A run longer than PT is split over several programs (each decodes
 Ids outside [0, E) (other ranks' experts under expert parallelism) contribute nothing: they are sorted into
 a sentinel run E whose programs decode nothing and store zero mid / zero down output.
 
-Per-pair down outputs [B k, D] are summed over the k slots in fixed order (no atomics: deterministic).
+Per-pair down outputs [B k, D] are summed over the k slots in fixed order (no atomics: deterministic). Since
+session 14 the down projection runs moe.py's pair kernel by default (GroupedConfig.pair_down: at 56
+registers it outran the grouped one's 153 once both read coalesced rows); the grouped one stays as the
+switch.
 
 Legend: B rows, k experts per row, P = B k pairs, K model width (4096), F expert width (2048), E experts,
 D down output rows (= K), PT pairs per program, BN output rows per program, nb super-blocks per row.

@@ -9,7 +9,11 @@
 #   part c: the same change on the whole model, with the batched step's down by the pair kernel
 #           (GroupedConfig.pair_down) and gathered sign nibbles: grouped-kernel tests, decode at 4k ctx
 #           (B = 1), the B = 16 / 32 step against both old choices, the batched-vs-alone check.
-# Usage: bash tools/gpu/session14.sh a|b|c
+#   part d: the batched-vs-alone check with the integer batch-1 Q8_0 matvec on (DS4_Q8_INT8=1), then the
+#           TTFT of a new request while 31 others stream (ds4-bench --parallel 32).
+#   part e: the ds4-bench sweep at 2k and 64k ctx, and where a B = 32 step goes now (profile_batch.py).
+#   part f: Nsight Compute again with the per-SASS pages of the five decode kernels, as one tarball.
+# Usage: bash tools/gpu/session14.sh a|b|c|d|e|f
 source "$(dirname "$0")/session_lib.sh"
 NCU_SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats \
  --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -49,4 +53,26 @@ if [ "$1" = c ]; then
   TAIL=12 run step 190 python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
     --variants "grouped down,grouped sign math"
   TAIL=14 run check "$(left)" python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
+fi
+if [ "$1" = d ]; then
+  TAIL=14 run check_int8 150 env DS4_Q8_INT8=1 python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
+  TAIL=12 run ttft 330 python3 -m ds4.bench --synthetic flash-q2 --parallel 32 --ctx-start 8192 \
+    --ctx-max 8192 -n 32 --ttft-prompt 1024 --prefill-budget 512
+fi
+if [ "$1" = e ]; then
+  TAIL=8 run sweep 240 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 --step-mul 32 -n 64
+  TAIL=40 run profile32 200 env DS4_PDL=0 python3 tools/gpu/profile_batch.py 32 8192
+fi
+if [ "$1" = f ]; then
+  NCU=$(which ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  # shellcheck disable=SC2086
+  TAIL=3 run ncu 300 env DS4_PDL=0 "$NCU" --clock-control none --profile-from-start off $NCU_SECTIONS \
+    -f -o /tmp/p2 python3 tools/gpu/ncu_probe.py
+  mkdir -p /tmp/s
+  "$NCU" --import /tmp/p2.ncu-rep --page details > /tmp/s/details.txt 2>&1
+  for k in gate_up_grouped q2k_q8k_down q8_rows q8_mv1 iq2_q8k_gate_up; do
+    "$NCU" --import /tmp/p2.ncu-rep --page source --csv --print-source sass --kernel-name "regex:$k" \
+      > "/tmp/s/sass_$k.csv" 2> /dev/null
+  done
+  tar czf "$OUT/ncu14.tgz" -C /tmp/s .  # one file: the device returns a handful of files per call
 fi

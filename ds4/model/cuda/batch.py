@@ -67,7 +67,9 @@ GROUPED_ROWS = int(os.environ.get("DS4_BATCH_GROUPED_ROWS", "0"))
 # on (moe.GATE_UP.int8, env DS4_MOE_INT8). 0: never. Env DS4_MOE_GROUPED_MIN_ROWS; read when a step is built:
 # recapture (a new pool runner) after changing it. GROUPED_ROWS (bf16 GEMMs), when set and reached, wins.
 # H200 (tools/gpu/bench_moe_grouped.py, per layer): B = 8 pair kernels 421 us vs grouped 440; B = 16 816 vs
-# 779; B = 32 1,605 vs 1,330 (128 distinct experts of 192 pairs).
+# 779; B = 32 1,605 vs 1,330 (128 distinct experts of 192 pairs). Session 14 (coalesced loads; the grouped
+# path's down now the pair kernel, moe_grouped.GroupedConfig.pair_down): B = 8 221.1 vs 217.9, B = 16 421.0
+# vs 395.0, B = 32 818.4 vs 715.0: 16 stays.
 MOE_GROUPED_MIN_ROWS = int(os.environ.get("DS4_MOE_GROUPED_MIN_ROWS", "16"))
 
 
