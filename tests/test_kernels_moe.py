@@ -576,27 +576,54 @@ def test_grid16_codes_expand_to_every_grid_row():
     assert torch.equal(out["rows"].view(torch.int64).reshape(-1), iq2xxs_grid_i64(torch.device("cpu")))
 
 
+@triton.jit
+def _spread_kernel(tab_ptr, out_ptr):
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, moe._spread_codes(tl.load(tab_ptr + i).to(tl.int32)))
+
+
+def test_spread_codes_give_the_nibble_table():
+    """moe._spread_codes on the 16-bit code table (MoeConfig.prmt with grid16) = iq2xxs_nibbles, all 256
+    rows (the codes' sign-extended int16 rows included)."""
+    from ds4.kernels.packing import iq2xxs_codes16, iq2xxs_nibbles
+
+    dev = torch.device(DEVICE)
+    out = torch.empty(256, dtype=torch.int32, device=DEVICE)
+    _spread_kernel[(1,)](iq2xxs_codes16(dev), out)
+    assert bool((iq2xxs_codes16(dev) < 0).any())  # the sign extension is exercised
+    assert torch.equal(out.cpu(), iq2xxs_nibbles(torch.device("cpu"))[:256])
+
+
+_DECODE_VARIANTS = {
+    "grid16": {"grid16": True},
+    "prmt": {"prmt": True},
+    "prmt16": {"prmt": True, "grid16": True},
+}
+
+
 @pytest.mark.parametrize("sign_math", [False, True], ids=["masks", "math"])
-@pytest.mark.parametrize("variant", ["grid16", "prmt"])
+@pytest.mark.parametrize("variant", list(_DECODE_VARIANTS))
 def test_moe_decode_variants_change_no_bit(sign_math, variant):
-    """The gate/up pair kernel with the 16-bit code table (grid16) or the nibble tables and byte permutes
-    (prmt) decodes the same signed grid words: equal to the 8-byte-row table bit for bit."""
+    """The gate/up pair kernel with the 16-bit code table (grid16), the nibble tables and byte permutes
+    (prmt), or the permutes from the 16-bit codes (prmt16) decodes the same signed grid words: equal to the
+    8-byte-row table bit for bit."""
     wg, wu, _, ids, x, _, _ = _int8_case(16, 512, 64)
     cfg = moe.MoeConfig(16, 1, 4, int8=True, sign_math=sign_math)
     want = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)
-    assert torch.equal(moe.moe_gate_up(x, wg, wu, ids, 1.0, replace(cfg, **{variant: True})), want)
-    with pytest.raises(ValueError, match="exclude each other"):
-        moe.MoeConfig(int8=True, gather=True, **{variant: True})
+    got = moe.moe_gate_up(x, wg, wu, ids, 1.0, replace(cfg, **_DECODE_VARIANTS[variant]))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="gather excludes"):
+        moe.MoeConfig(int8=True, gather=True, **_DECODE_VARIANTS[variant])
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["grid16", "prmt"])
+@pytest.mark.parametrize("variant", list(_DECODE_VARIANTS))
 def test_moe_decode_variants_capture(variant):
     """The variants' tables are built once per device, before a graph capture (a host-to-device copy inside
     one fails): a captured gate/up call with the variant replays to its eager result."""
     assert CUDA
     wg, wu, _, ids, x, _, _ = _int8_case(16, 512, 66)
-    cfg = moe.MoeConfig(16, 1, 4, int8=True, **{variant: True})
+    cfg = moe.MoeConfig(16, 1, 4, int8=True, **_DECODE_VARIANTS[variant])
     want = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)  # eager: builds the tables
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

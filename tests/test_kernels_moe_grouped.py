@@ -112,6 +112,8 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"chain": True},
         {"prmt": True, "pos_reg": True},
         {"prmt": True, "chain": True, "pos_reg": True},
+        {"prmt": True, "grid16": True},
+        {"prmt": True, "grid16": True, "sign_math": True},
     ],
     ids=lambda v: "+".join(v),
 )
@@ -176,6 +178,8 @@ def test_bad_input_is_named():
         moe_grouped.GroupedConfig(pairs=5)
     with pytest.raises(ValueError, match="pairs_dn must be"):
         moe_grouped.GroupedConfig(pairs_dn=0)
+    with pytest.raises(ValueError, match="pos_reg needs"):
+        moe_grouped.GroupedConfig(prmt=True, grid16=True, pos_reg=True)
 
 
 @pytest.mark.cuda

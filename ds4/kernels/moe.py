@@ -468,6 +468,17 @@ def _sign_nibbles(n):
 
 
 @triton.jit
+def _spread_codes(c):
+    """int32 c whose low 16 bits hold 8 2-bit codes (element j at bits 2j: iq2xxs_codes16; the sign-extended
+    top bits are dropped) -> the nibble word of iq2xxs_nibbles (code j at bits 4j): elements 4-7 to bits
+    16-23, then pairs to bytes, then each code to its nibble (disjoint masks: no carries)."""
+    x = c & 0xFFFF
+    x = (x | (x << 8)) & 0x00FF00FF
+    x = (x | (x << 4)) & 0x0F0F0F0F
+    return (x | (x << 2)) & 0x33333333
+
+
+@triton.jit
 def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr):
     """(wlo, whi) signed grid bytes of IQ2_XXS groups (grid rows idx, sign indices si) by two byte
     permutes: nibble j of nib[idx] (iq2xxs_nibbles) is element j's magnitude code m (0 / 1 / 2), snib[si]
@@ -475,13 +486,18 @@ def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, 
     of the bytes 8, 25, 43 (word a) or -8, -25, -43 (word b). Per group: two 4-byte gathers (1 KB and
     512 B tables), an OR, a shift, two PRMT, instead of an 8-byte gather, the sign math and the negation.
     SIGN_MATH: the sign nibbles computed from si (~16 ALU ops: bit 7 of KSIGNS[s] is the parity of s, as in
-    _iq2_sign_bits) instead of the second gather. POS_REG: the positive bytes' word loaded (see below)."""
-    w = tl.load(nib + idx)
+    _iq2_sign_bits) instead of the second gather. POS_REG: the positive bytes' word loaded (see below).
+    nib as int16 (iq2xxs_codes16, MoeConfig.prmt with grid16): half the table's 128-byte lines per gather
+    (the gathers bound the L1 tag stage: session 14), the nibbles spread by _spread_codes."""
+    if nib.dtype.element_ty == tl.int16:  # MoeConfig.prmt + grid16: 512 B of codes, spread (6 ALU ops)
+        w = _spread_codes(tl.load(nib + idx).to(tl.int32))
+    else:
+        w = tl.load(nib + idx)
     # bytes 8, 25, 43, 0. As a constant, ptxas copies it from a uniform register before every PRMT (whose
     # first source must be a vector register; sm_90: 16 instructions per k step of the grouped gate/up);
     # loaded (POS_REG: iq2xxs_nibbles' last word, the load hoisted out of the loop) it stays in a register,
     # which costs the grouped kernel registers (64 -> 96 at 4 pairs)
-    if POS_REG:
+    if POS_REG:  # the nibble table's word 256 (the launcher refuses POS_REG with the 16-bit codes)
         a = tl.zeros_like(w) + tl.load(nib + 256)
     else:
         a = tl.full(w.shape, 0x002B1908, tl.int32)
@@ -513,7 +529,7 @@ def _signed_words(
     permutes (_prmt_words, PTX: as PTX; its sign nibbles computed with SIGN_MATH, else gathered from ksm),
     or magnitude words (_grid_words) negated by sign masks computed (SIGN_MATH) or gathered from ksm. The
     decode of the pair kernels and of the grouped ones."""
-    if tab.dtype.element_ty == tl.int32:  # MoeConfig.prmt
+    if ksm.dtype.element_ty == tl.int32:  # MoeConfig.prmt: sign nibbles (grid nibbles or 16-bit codes)
         wlo, whi = _prmt_words(tab, ksm, idx, si, SIGN_MATH, PTX, POS_REG)
     else:
         lo, hi = _grid_words(tab, idx)
@@ -944,9 +960,10 @@ def _q2k_q8k_down_kernel(
 
 def iq2_tables(device: torch.device, grid16: bool = False, prmt: bool = False):
     """(grid table, sign table) of the int8 IQ2_XXS kernels; their dtypes select the decode (_grid_words,
-    _prmt_words): int64 rows + int64 byte masks, int16 codes + masks (grid16), int32 nibbles (prmt)."""
+    _prmt_words): int64 rows + int64 byte masks, int16 codes + masks (grid16), int32 nibbles + int32 sign
+    nibbles (prmt), int16 codes + int32 sign nibbles (prmt and grid16)."""
     if prmt:
-        return iq2xxs_nibbles(device), iq2_sign_nibbles(device)
+        return (iq2xxs_codes16(device) if grid16 else iq2xxs_nibbles(device)), iq2_sign_nibbles(device)
     return (iq2xxs_codes16(device) if grid16 else iq2xxs_grid_i64(device)), _iq2_sign_masks(device)
 
 
@@ -978,14 +995,14 @@ class MoeConfig:
     sign_math: bool = False  # int8 IQ2_XXS: sign masks (prmt: sign nibbles) computed, not an L1 gather
     gather: bool = False  # int8 IQ2_XXS: table lookups via tl.gather (shared memory) instead of L1 gathers
     fixup: bool = False  # int8 down: the sum over k slots / splits in the kernel (last program), no torch sum
-    grid16: bool = False  # int8 IQ2_XXS: the grid as 16-bit codes (_grid_words), not 8-byte rows
+    grid16: bool = False  # int8 IQ2_XXS: the grid as 16-bit codes (_grid_words; with prmt: _spread_codes)
     prmt: bool = False  # int8 IQ2_XXS: signed grid bytes by byte permutes from nibble tables (_prmt_words)
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
             raise ValueError(f"MoeConfig.terms must be 1 or 2, got {self.terms}")
-        if sum((self.grid16, self.gather, self.prmt)) > 1:
-            raise ValueError("MoeConfig: grid16, gather and prmt exclude each other (one grid table)")
+        if self.gather and (self.grid16 or self.prmt):
+            raise ValueError("MoeConfig: gather excludes grid16 and prmt (one grid table)")
 
 
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.

@@ -406,7 +406,7 @@ class GroupedConfig:
     terms: int = GATE_UP.terms
     dp4a: bool = True
     sign_math: bool = True  # gate/up: sign masks / nibbles computed, not gathered (moe.MoeConfig.sign_math)
-    grid16: bool = False  # gate/up: the grid as 16-bit codes (as moe.MoeConfig.grid16)
+    grid16: bool = False  # gate/up: the grid as 16-bit codes (as moe.MoeConfig.grid16; with prmt too)
     prmt: bool = False  # gate/up: nibble tables and byte permutes (as moe.MoeConfig.prmt)
     chain: bool = False  # gate/up: one dp4a chain per sub-block and plane (_iq2_pair)
     pos_reg: bool = False  # gate/up, prmt: the permutes' positive word loaded, not a constant (_prmt_words)
@@ -418,8 +418,8 @@ class GroupedConfig:
                 raise ValueError(f"GroupedConfig.{name} must be in 1..{MAX_PT}, got {getattr(self, name)}")
         if self.terms not in (1, 2):
             raise ValueError(f"GroupedConfig.terms must be 1 or 2, got {self.terms}")
-        if self.grid16 and self.prmt:
-            raise ValueError("GroupedConfig: grid16 and prmt exclude each other (one grid table)")
+        if self.grid16 and self.prmt and self.pos_reg:
+            raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
 
 
 # H200 (tools/gpu/bench_moe_grouped.py, session 8, per layer): gate/up bn 16, 4 pairs per program, sign

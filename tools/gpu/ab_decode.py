@@ -68,6 +68,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "moe grid16": {(moe, "GATE_UP"): replace(moe.GATE_UP, prmt=False, sign_math=True, grid16=True)},
     "moe prmt math": {(moe, "GATE_UP"): replace(moe.GATE_UP, sign_math=True)},
     "moe down s2": {(moe, "DOWN"): replace(moe.DOWN, splits=2)},
+    "moe prmt16": {(moe, "GATE_UP"): replace(moe.GATE_UP, grid16=True)},
     "no step memo": {(layer, "STEP_MEMO"): False},
     "hc scalar": {(fused, "HC_FINISH_SCALAR"): True},
     "topk kernel": {(layer, "TOPK_KERNEL"): True},

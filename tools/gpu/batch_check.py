@@ -134,6 +134,7 @@ def _variants() -> dict[str, dict]:
         "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)},
         "grouped down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pair_down=False)},
         "grouped sign math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sign_math=True)},
+        "grouped prmt16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, grid16=True)},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
             (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE),

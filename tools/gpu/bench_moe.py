@@ -100,6 +100,8 @@ GU_NEW = [
     _new(bn=16, prmt=True, prefetch=True),  # session 8: barrier-free loop, prefetch at 71 registers (was 116)
     _new(bn=8, prmt=True),
     _new(bn=32, warps=8, prmt=True),
+    _new(bn=16, prmt=True, grid16=True),  # session 14: the permutes from the 16-bit codes (512 B table)
+    _new(bn=16, prmt=True, grid16=True, sign_math=True),
 ]
 DN_NEW = [
     _new(bn=64, prefetch=True),
@@ -123,7 +125,8 @@ GU = [("current", replace(moe.GATE_UP, int8=False))] + _int8_variants(_OLD_INT8_
 DOWN = [("current", replace(moe.DOWN, int8=False))] + _int8_variants(_OLD_INT8_DN)
 _GU_DEF, _DN_DEF = replace(moe.GATE_UP, int8=True), replace(moe.DOWN, int8=True)  # the engine's defaults
 # --quick: the variants most likely to win (each costs a JIT compile of ~2 s on the H200 machine)
-GU_QUICK = [0, 1, 2, 3, 5, 6, 11, 12]  # pf, math, smem, smem math, smem math pf, bn8 pf, w8 pf, w8 smem pf
+GU_QUICK = [0, 1, 2, 3, 5, 6, 11, 12, 20, 21]  # pf, math, smem, smem math, smem math pf, bn8 pf, w8 pf,
+# w8 smem pf, prmt g16 (masks / math)
 DN_QUICK = [0, 1, 3, 6, 7, 8]  # bn64 pf, bn32 pf, bn64 s2, bn64 w8 pf, bn64 fix, bn64 pf fix
 if QUICK:  # the int8 default first, then the new variants
     BATCHES = (1, 4)
@@ -348,7 +351,7 @@ def _int8_runs(quick: bool) -> list[tuple]:
         consts |= {"SIGN_MATH": c.sign_math, "PREFETCH": c.prefetch, "GATHER": c.gather}
         weights = 2 * c.bn * 256
         sig = gu_sig | {"tab64": "*i16"} if c.grid16 else gu_sig
-        sig = sig | {"tab64": "*i32", "ksm": "*i32"} if c.prmt else sig
+        sig = sig | {"tab64": "*i16" if c.grid16 else "*i32", "ksm": "*i32"} if c.prmt else sig
         runs.append((f"gu {label(c)}", moe._iq2_q8k_gate_up_kernel, sig, consts, c.warps, weights))
     for c in dn:
         consts = {"BN": c.bn, "TERMS": c.terms, "DP4A": c.dp4a, "PREFETCH": c.prefetch, "FIXUP": c.fixup}

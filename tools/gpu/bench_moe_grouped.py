@@ -60,6 +60,8 @@ GU_VARIANTS = [
     GroupedConfig(prmt=True, sign_math=False, pos_reg=True),  # the permutes' positive word loaded
     GroupedConfig(prmt=True, sign_math=False, chain=True, pos_reg=True),
     GroupedConfig(prmt=True, sign_math=False, chain=True, pairs=2),
+    GroupedConfig(prmt=True, grid16=True, sign_math=False),  # session 14: permutes from the 16-bit codes
+    GroupedConfig(prmt=True, grid16=True, sign_math=True),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -332,8 +334,10 @@ def compile_only() -> None:
                 (f"gu bn{bn} pt{pt} w{w} t{t}", moe_grouped._gate_up_grouped_kernel, _GU_SIG, consts, w)
             )
     tables = {"g16": {"tab64": "*i16"}, "prmt": {"tab64": "*i32", "ksm": "*i32"}, "": {}}
+    tables["prmt16"] = {"tab64": "*i16", "ksm": "*i32"}  # prmt with grid16: permutes from the 16-bit codes
     variants = [(True, "", False, False), (False, "g16", False, False), (True, "g16", False, False)]
     variants += [(False, "prmt", c, p) for c in (False, True) for p in (False, True)] + [(True, "prmt", 0, 0)]
+    variants += [(False, "prmt16", False, False), (True, "prmt16", False, False)]
     for math, tab, chain, preg in variants:
         consts = {"BN": 16, "PT": 4, "CLAMP": True, "TERMS": 2, "DP4A": True, "SIGN_MATH": math}
         consts |= {"CHAIN": bool(chain), "POS_REG": bool(preg)}

@@ -13,7 +13,10 @@
 #           TTFT of a new request while 31 others stream (ds4-bench --parallel 32).
 #   part e: the ds4-bench sweep at 2k and 64k ctx, and where a B = 32 step goes now (profile_batch.py).
 #   part f: Nsight Compute again with the per-SASS pages of the five decode kernels, as one tarball.
-# Usage: bash tools/gpu/session14.sh a|b|c|d|e|f
+#   part g: the IQ2_XXS byte permutes from the 16-bit code table (prmt with grid16: 512 B, half the lines
+#           per gather, +6 ALU ops per group): variant tests, bench_moe_grouped, bench_moe --quick, the
+#           whole model at B = 1 and the B = 32 step.
+# Usage: bash tools/gpu/session14.sh a|b|c|d|e|f|g
 source "$(dirname "$0")/session_lib.sh"
 NCU_SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats \
  --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -75,4 +78,13 @@ if [ "$1" = f ]; then
       > "/tmp/s/sass_$k.csv" 2> /dev/null
   done
   tar czf "$OUT/ncu14.tgz" -C /tmp/s .  # one file: the device returns a handful of files per call
+fi
+if [ "$1" = g ]; then
+  TAIL=4 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe.py \
+    tests/test_kernels_moe_grouped.py -k "variants or spread or flash"
+  TAIL=12 run grouped 60 sh -c "python3 tools/gpu/bench_moe_grouped.py | grep -E 'B = |prmt|per layer'"
+  TAIL=8 run pair 60 sh -c "python3 tools/gpu/bench_moe.py --quick | grep -E 'B = |prmt|VERDICT'"
+  TAIL=6 run ab 120 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe prmt16"
+  TAIL=6 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 32 --steps 16 \
+    --variants "grouped prmt16"
 fi
