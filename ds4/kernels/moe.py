@@ -1019,11 +1019,12 @@ _INT8 = os.environ.get("DS4_MOE_INT8", "1") == "1"
 # Session 4 (bench_moe.py --quick, H200): sign masks by ALU ops beat the table gather, gate+up B = 1 42.4 ->
 # 39.1 us, B = 4 149.5 -> 137.8 us; down's prefetch / in-kernel fixup gained <= 1.8 us and stay off.
 # Session 8 (tools/gpu/ab_decode.py, whole model at 4k ctx, H200): MoeConfig.prmt (nibble tables + byte
-# permutes, bit-identical) 97.82 -> 99.74 tok/s: on (env DS4_MOE_PRMT=0: off); MoeConfig.grid16 (the
-# 512-byte code table) 96.22: off (env DS4_MOE_GRID16=1, which needs DS4_MOE_PRMT=0). With prmt, sign_math
-# means the sign nibbles computed instead of their 512-byte table gathered: session 9 (same A/B) 103.70 ->
-# 104.53 tok/s (x1.008, within the spread of such runs): off; env DS4_MOE_SIGN_MATH (default: on without
-# prmt, off with it). DOWN at 2 k-splits: bench_moe B = 1 21.4 -> 18.5 us, whole model 102.91 tok/s: off.
+# permutes, bit-identical) 97.82 -> 99.74 tok/s: on (env DS4_MOE_PRMT=0: off); MoeConfig.grid16 (the 512-byte
+# code table) 96.22: off (env DS4_MOE_GRID16=1 with DS4_MOE_PRMT=0; with prmt on: the permutes from the 16-bit
+# codes, session 14, off). With prmt, sign_math means the sign nibbles computed instead of their 512-byte
+# table gathered: session 9 (same A/B) 103.70 -> 104.53 tok/s (x1.008, within the spread of such runs): off;
+# env DS4_MOE_SIGN_MATH (default: on without prmt, off with it). DOWN at 2 k-splits: bench_moe B = 1 21.4 ->
+# 18.5 us, whole model 102.91 tok/s: off.
 _GRID16 = os.environ.get("DS4_MOE_GRID16", "0") == "1"
 _PRMT = os.environ.get("DS4_MOE_PRMT", "1") == "1"
 _SIGN_MATH = os.environ.get("DS4_MOE_SIGN_MATH", "0" if _PRMT else "1") == "1"

@@ -432,7 +432,7 @@ class GroupedConfig:
 # 113.2 -> 104.2 us, B = 32 343.7 -> 314.0 us (the pair kernel: 101.1 / 348.0): bn 128. chain / pos_reg
 # (session 8, sm_90 k loop of gate/up bn 16, 4 pairs, prmt: 454 instructions / 64 registers; chain 410 / 72;
 # both 389 / 96): session 9, B = 32 727.1 / 769.4 / 789.0 us against 726.2: no gain, off. Env
-# DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_SIGN_MATH=0, DS4_MOE_GROUPED_GRID16=1 (with prmt off),
+# DS4_MOE_GROUPED_PRMT=0, DS4_MOE_GROUPED_SIGN_MATH=0, DS4_MOE_GROUPED_GRID16=1 (with prmt on: prmt16),
 # DS4_MOE_GROUPED_CHAIN=1, DS4_MOE_GROUPED_POS_REG=1.
 # Session 14 (coalesced weight loads, moe._iq2_load / _q2k_block; same bench, per layer): gate/up with the
 # sign nibbles gathered beats computing them, B = 8 / 16 / 32 160.5 / 291.7 / 521.9 us vs 174.2 / 313.3 /
