@@ -1185,7 +1185,7 @@ def moe_down(
 
 def moe_down_slots(
     mid: torch.Tensor, weights: torch.Tensor, wd: PackedWeight, ids: torch.Tensor, cfg: MoeConfig
-):
+) -> torch.Tensor:
     """The int8 Q2_K pair kernel's per-slot terms [B, k, D] f32 = weights[b, j] * Wd[ids[b, j]] @ mid[b, j]
     in one k-split, zeros where ids[b, j] lies outside [0, E): the batched step's down projection
     (moe_grouped.GroupedConfig.pair_down). mid [B, k, F] f32 on a Triton device, wd a Q2_K stack; the
