@@ -316,6 +316,18 @@ def test_q8_rows_min_blocks_per_split(min_blocks, bn):
     assert rel_err(matvec.q8_rows(x, w, 128, cfg), ref.qmatvec(x, w)) < F32_TOL
 
 
+@pytest.mark.parametrize(("warps", "bn"), [(2, 64), (2, 32), (1, 32)], ids=str)
+@pytest.mark.parametrize("b", [12, 33, 64])
+def test_q8_rows_mma_sync_warps(warps, bn, b):
+    """Q8RowsConfig.warps below a warpgroup (mma.sync on the GPU instead of wgmma): the same exact-q times
+    tf32 hi / lo products, so within the f32 bound of the exact product, and close to the default tile."""
+    w = packed(GGMLType.Q8_0, (128, 1024), seed=97 + b)
+    x = torch.randn(b, 1024, generator=generator(97 + b), device=DEVICE) * 3.0
+    got = matvec.q8_rows(x, w, 128, matvec.Q8RowsConfig(bn=bn, warps=warps))
+    assert rel_err(got, ref.qmatvec(x, w)) < F32_TOL
+    assert rel_err(got, matvec.q8_rows(x, w, 128)) < 1e-6
+
+
 def test_q8_rows_grouped_and_bad_tile():
     w = packed(GGMLType.Q8_0, (3, 64, 256), seed=60)
     x = torch.randn(12, 3, 256, generator=generator(60), device=DEVICE)

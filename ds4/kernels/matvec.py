@@ -800,12 +800,22 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # min_blocks 16 / 32 9.21 / 10.36, 5 stages 9.40, 2 / 4 blocks per iteration 9.28 / 10.13, target 528 9.42,
 # BN 32 13.85 (but B = 64: 15.11 vs 19.05), mode int8 10.88; whole B = 32 steps within 0.2 % or slower.
 # None of them is what bounds this kernel; the defaults stay.
+# Warps: at 4 (a warpgroup) Triton 3.6 lowers the block dots to wgmma, whose B operand (x^T) must sit in
+# shared memory: per 32-block the x tile is read out of its pipeline buffer, split, written back twice
+# (fenced) and each of the two wgmmas waited for (pendings 0) before the scale, a serial chain per block
+# (sm_90 TTGIR; Nsight Compute, session 14: MIO and barrier stalls, 2x more shared wavefronts than L1
+# requests). At 1 or 2 warps it lowers them to mma.sync (MMA v2): both operands in registers, the x split
+# in registers, no fence and no wait (sm_90 k loop at BB 32, BN 64, 2 warps: 349 instructions, 64 HMMA, 9
+# LDS, 127 registers; BN 32: 231, 80 registers). Same products: exact q times tf32 hi and lo. Env
+# DS4_Q8_ROWS_WARPS, DS4_Q8_ROWS_BN.
 Q8_ROWS = Q8RowsConfig(
     target=int(os.environ.get("DS4_Q8_ROWS_TARGET", "1056")),
     min_blocks=int(os.environ.get("DS4_Q8_ROWS_MIN_BLOCKS", "4")),
     mode=os.environ.get("DS4_Q8_ROWS_MODE", "tf32x2"),
     stages=int(os.environ.get("DS4_Q8_ROWS_STAGES", "3")),
     blocks=int(os.environ.get("DS4_Q8_ROWS_BLOCKS", "1")),
+    warps=int(os.environ.get("DS4_Q8_ROWS_WARPS", "4")),
+    bn=int(os.environ.get("DS4_Q8_ROWS_BN", "64")),
 )
 
 

@@ -2,7 +2,8 @@
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_q8.py            (< 90 s)
               PYTHONPATH=. python3 tools/gpu/bench_q8.py --variants   (q8_mv1 code variants, B = 1; < 60 s)
-              PYTHONPATH=. python3 tools/gpu/bench_q8.py --rows   (B = 16 / 32 / 64: q8_rows vs dense bf16)
+              PYTHONPATH=. python3 tools/gpu/bench_q8.py --rows [--cfgs "w2,bn32 w2"]   (B = 16 / 32 / 64:
+              q8_rows vs dense bf16 and its ROW_CFGS variants, or those named)
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_q8.py --list     (shapes and launch plans; no GPU)
               PYTHONPATH=. python3 tools/gpu/bench_q8.py --compile-only   (sm_90 builds with Triton's bundled
               ptxas: registers, spill stack, atomics, for fixup off and on; q8_mv1's variants with their k
@@ -259,7 +260,17 @@ ROW_CFGS = {  # q8_rows variants timed beside the default (spec: Q8RowsConfig fi
     "t528": "target=528",
     "bn128 w8": "bn=128,warps=8",  # half the x re-reads per weight byte (sm_90: 87 registers, 157-op loop)
     "bn128 w8 mb16": "bn=128,warps=8,min_blocks=16",
+    # mma.sync instead of wgmma (see matvec.Q8_ROWS): the x split and both operands in registers
+    "w2": "warps=2",
+    "w2 t2112": "warps=2,target=2112",
+    "bn32 w2": "bn=32,warps=2",
+    "bn32 w1": "bn=32,warps=1",
+    "bn32 w2 t2112": "bn=32,warps=2,target=2112",
+    "w2 mb16": "warps=2,min_blocks=16",
 }
+if "--cfgs" in sys.argv:  # a subset: --cfgs "w2,bn32 w2"
+    _pick = sys.argv[sys.argv.index("--cfgs") + 1].split(",")
+    ROW_CFGS = {name: ROW_CFGS[name] for name in _pick}
 
 
 def rows_cfg(spec: str) -> mv.Q8RowsConfig:
@@ -338,8 +349,10 @@ def run_rows(dev: torch.device) -> None:
             worst = max(worst, err["q8_rows"])
             t = time_graphs(ways)
             cols = [f"{t[v] * 1e6:13.1f}" for v in names]
-            errs = f"{err['q8_rows']:.1e} / int8 {err['q8_rows int8']:.1e} / {err['dense bf16']:.1e}"
-            worst_var = max(err[f"q8_rows {c}"] for c in ROW_CFGS if "int8" not in c)
+            errs = f"{err['q8_rows']:.1e} / {err['dense bf16']:.1e}"
+            if "int8" in ROW_CFGS:
+                errs += f" / int8 {err['q8_rows int8']:.1e}"
+            worst_var = max((err[f"q8_rows {c}"] for c in ROW_CFGS if "int8" not in c), default=0.0)
             errs += f" / variants {worst_var:.1e}"
             print(f"{label:11s} {b:2d} {mb:6.1f} | " + " | ".join(cols) + f" | {errs}", flush=True)
             for v in names:
@@ -443,14 +456,16 @@ def compile_only() -> int:
             consts = {"QT": 8, "BB": bb, "BN": bn, "TK": tk, "SW": tk, "USE_DOT": dot, "FIXUP": fix}
             runs.append((f"qmv tiles BB{bb} BN{bn}{' dot' * dot}", mv._qmv_kernel, consts, 4, xt, "*i8", 0))
     rows = mv.Q8_ROWS
-    row_builds = [(m, bb, 1) for m in mv.Q8_ROWS_MODES for bb in (16, 32, 64)]
-    for mode, bb, nb in row_builds + [("tf32x2", 32, 4), ("int8", 32, 4)]:
-        consts = {"BB": bb, "BN": rows.bn, "STAGES": rows.stages, "FIXUP": True, "NB": nb}
-        wpt = rows.bn * 32 * nb / (32 * rows.warps)
-        label = f"q8_rows {mode} BB{bb} BN{rows.bn} NB{nb}"
+    row_builds = [(m, bb, 1, rows.bn, rows.warps) for m in mv.Q8_ROWS_MODES for bb in (16, 32, 64)]
+    row_builds += [("tf32x2", 32, 4, rows.bn, rows.warps), ("int8", 32, 4, rows.bn, rows.warps)]
+    row_builds += [("tf32x2", bb, 1, bn, w) for bb in (16, 32, 64) for bn, w in ((64, 2), (32, 2), (32, 1))]
+    for mode, bb, nb, bn, warps in row_builds:
+        consts = {"BB": bb, "BN": bn, "STAGES": rows.stages, "FIXUP": True, "NB": nb}
+        wpt = bn * 32 * nb / (32 * warps)
+        label = f"q8_rows {mode} BB{bb} BN{bn} NB{nb} w{warps}"
         consts["MODE"] = mode
         x_type = "*i8" if mode == "int8" else "*fp32"  # int8: x's planes
-        runs.append((label, mv._q8_rows_kernel, consts, rows.warps, x_type, "*i8", wpt))
+        runs.append((label, mv._q8_rows_kernel, consts, warps, x_type, "*i8", wpt))
     # _split_fixup's other user
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))

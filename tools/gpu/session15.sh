@@ -1,0 +1,20 @@
+#!/bin/bash
+# Device calls of session 15, one part per call (.gpu/shared carried, see session5.sh):
+#   part a: q8_rows at 1 / 2 warps (mma.sync instead of wgmma: the x split and both operands in registers,
+#           matvec.Q8_ROWS): GPU tests, bench_q8 --rows against the default and the B = 64 tile, the
+#           B = 16 / 32 step with the two likeliest configs.
+#   part b: the batched-vs-alone check with the winner; a fresh B = 1 and B = 32 profile.
+# Usage: bash tools/gpu/session15.sh a|b
+source "$(dirname "$0")/session_lib.sh"
+if [ "$1" = a ]; then
+  TAIL=4 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py -k q8_rows
+  TAIL=16 run rows 230 sh -c "python3 tools/gpu/bench_q8.py --rows --cfgs \
+'w2,w2 t2112,bn32 w2,bn32 w1,bn32 w2 t2112,bn128 w8 mb16' | grep -E 'per decode|VERDICT|BEST|max rel|B=32|32 '"
+  TAIL=12 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
+    --variants "default,rows:warps=2,rows:bn=32+warps=2"
+fi
+if [ "$1" = b ]; then
+  TAIL=14 run check 200 env DS4_Q8_ROWS_WARPS="${WARPS:-2}" DS4_Q8_ROWS_BN="${BN:-64}" \
+    python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
+  TAIL=40 run profile32 "$(left)" env DS4_PDL=0 python3 tools/gpu/profile_batch.py 32 8192
+fi
