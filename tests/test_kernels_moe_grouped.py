@@ -114,14 +114,16 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"prmt": True, "chain": True, "pos_reg": True},
         {"prmt": True, "grid16": True},
         {"prmt": True, "grid16": True, "sign_math": True},
+        {"prmt": True, "smem": 1},
+        {"prmt": True, "smem": 2},
     ],
     ids=lambda v: "+".join(v),
 )
 def test_grouped_decode_variants_change_no_bit(variant):
     """GroupedConfig.sign_math (computed sign masks), .grid16 (the 16-bit code table) and .prmt (nibble
-    tables, byte permutes; with sign_math the sign nibbles computed; pos_reg: their source word loaded)
-    decode the same signed grid words, and .chain sums the same integers: gate/up equals the gathered-mask
-    8-byte-row decode bit for bit."""
+    tables, byte permutes; with sign_math the sign nibbles computed; pos_reg: their source word loaded;
+    smem: the tables looked up by tl.gather) decode the same signed grid words, and .chain sums the same
+    integers: gate/up equals the gathered-mask 8-byte-row decode bit for bit."""
     from dataclasses import replace
 
     wg, wu, _, ids, x, _, _ = _case(24, 256, 40, IDS, 52)
@@ -178,6 +180,10 @@ def test_bad_input_is_named():
         moe_grouped.GroupedConfig(pairs=5)
     with pytest.raises(ValueError, match="pairs_dn must be"):
         moe_grouped.GroupedConfig(pairs_dn=0)
+    with pytest.raises(ValueError, match="smem needs"):
+        moe_grouped.GroupedConfig(prmt=True, sign_math=True, smem=1)
+    with pytest.raises(ValueError, match="smem must be"):
+        moe_grouped.GroupedConfig(prmt=True, smem=3)
     with pytest.raises(ValueError, match="pos_reg needs"):
         moe_grouped.GroupedConfig(prmt=True, grid16=True, pos_reg=True)
 

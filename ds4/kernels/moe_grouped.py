@@ -54,6 +54,7 @@ from .moe import (
     _dot16,
     _iq2_load,
     _pick,
+    _prmt,
     _q2k_block,
     _q2k_scales,
     _signed_words_sb,
@@ -70,8 +71,9 @@ MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up 
 
 @triton.jit
 def _iq2_decode(
-    qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr
-):
+    qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr,
+    nib_r=None, snib_r=None, SMEM: tl.constexpr = 0,
+):  # fmt: skip
     """IQ2_XXS super-block kt of rows wrow [BN] (sg: the sub-block words as bytes), decoded once: (wlo, whi
     [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8] int32 =
     2 ls + 1 per sub-block, d [BN] f32), as moe.py's _iq2_q8k_block decodes them (moe._signed_words: tab64 /
@@ -79,9 +81,35 @@ def _iq2_decode(
     GroupedConfig.pos_reg)."""
     idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)  # its layout note: why the loads look as they do
     lg = tl.arange(0, 4)[None, None, :]
-    wlo, whi = _signed_words_sb(tab64, ksm, idx, (a1 >> (7 * lg)) & 127, SIGN_MATH, PTX, POS_REG)
+    si = (a1 >> (7 * lg)) & 127
+    if SMEM:  # the tables as register copies, looked up by tl.gather (GroupedConfig.smem)
+        wlo, whi = _prmt_smem(nib_r, snib_r, idx, si, PTX)
+    else:
+        wlo, whi = _signed_words_sb(tab64, ksm, idx, si, SIGN_MATH, PTX, POS_REG)
     a1w = tl.reshape(a1, (wrow.shape[0], 8))
     return wlo, whi, 2 * ((a1w >> 28) & 15) + 1, d
+
+
+@triton.jit
+def _prmt_smem(nib_r, snib_r, idx, si, PTX: tl.constexpr):
+    """moe._prmt_words (grid nibbles, gathered sign nibbles) with both tables held in registers (nib_r
+    [256], snib_r [128] int32) and looked up by tl.gather, which Triton lowers through shared memory on the
+    GPU: a warp's 32 lookups then cost the bank conflicts of one shared load instead of the ~8 / ~4 L1 tag
+    requests of a global gather from the 1 KB / 512 B tables (the L1 tag stage bounds the grouped gate/up:
+    session 14). In the [8, BN, 4] order of moe._signed_words_sb. snib_r None (SMEM 2): nib_r is the joined
+    [512] table."""
+    ip, sp = tl.permute(idx, (1, 0, 2)), tl.permute(si, (1, 0, 2))
+    if snib_r is None:  # SMEM 2: one table [512] (nibbles, then sign nibbles at 256), one joined lookup
+        both = tl.join(ip, sp + 256)
+        w, sn = tl.split(tl.reshape(tl.gather(nib_r, tl.reshape(both, (both.numel,)), 0), both.shape))
+        lo = w | sn
+    else:
+        w = tl.reshape(tl.gather(nib_r, tl.reshape(ip, (ip.numel,)), 0), ip.shape)
+        lo = w | tl.reshape(tl.gather(snib_r, tl.reshape(sp, (sp.numel,)), 0), sp.shape)
+    hi = lo >> 16
+    a = tl.full(lo.shape, 0x002B1908, tl.int32)  # bytes 8, 25, 43, 0 and -8, -25, -43, 0 (_prmt_words)
+    b = tl.full(lo.shape, 0x00D5E7F8, tl.int32)
+    return tl.permute(_prmt(a, b, lo, PTX), (1, 0, 2)), tl.permute(_prmt(a, b, hi, PTX), (1, 0, 2))
 
 
 @triton.jit
@@ -196,6 +224,7 @@ def _gate_up_grouped_kernel(
     SIGN_MATH: tl.constexpr,
     CHAIN: tl.constexpr = False,
     POS_REG: tl.constexpr = False,
+    SMEM: tl.constexpr = 0,
 ):
     """Gate and up of up to PT pairs of one expert (sorted positions p ..) on the quantized input (xw
     [TERMS, B, K/8] int64, planes xplane words apart; dx [B, K/256]) -> mid rows out [P, F] (flat pair
@@ -222,9 +251,22 @@ def _gate_up_grouped_kernel(
     u2 = tl.zeros([BN, 8], dtype=tl.float32)
     g3 = tl.zeros([BN, 8], dtype=tl.float32)
     u3 = tl.zeros([BN, 8], dtype=tl.float32)
+    nib_r, snib_r = tab64, ksm  # SMEM: register copies of the tables (GroupedConfig.smem)
+    if SMEM == 1:
+        nib_r = tl.load(tab64 + tl.arange(0, 256))
+        snib_r = tl.load(ksm + tl.arange(0, 128))
+    if SMEM == 2:  # one [512] table: the grid nibbles, the sign nibbles from 256, zeros
+        t = tl.arange(0, 512)
+        nib_r = tl.where(t < 256, tl.load(tab64 + t, mask=t < 256, other=0), 0)
+        nib_r += tl.load(ksm + (t - 256), mask=(t >= 256) & (t < 384), other=0)
+        snib_r = None
     for kt in range(0, tl.where(live, nb, 0)):
-        wl, wh, ls, d = _iq2_decode(gq, gs, gd, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG)
-        vl, vh, ms, c = _iq2_decode(uq, us, ud, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG)
+        wl, wh, ls, d = _iq2_decode(
+            gq, gs, gd, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM
+        )
+        vl, vh, ms, c = _iq2_decode(
+            uq, us, ud, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM
+        )
         g0 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
         u0 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
         if PT > 1:
@@ -411,6 +453,8 @@ class GroupedConfig:
     chain: bool = False  # gate/up: one dp4a chain per sub-block and plane (_iq2_pair)
     pos_reg: bool = False  # gate/up, prmt: the permutes' positive word loaded, not a constant (_prmt_words)
     pair_down: bool = False  # down by the pair kernel (moe.moe_down_slots at moe.DOWN's tile), not grouped
+    smem: int = 0  # gate/up, prmt: the tables looked up by tl.gather (shared memory, _prmt_smem): 1 two
+    # lookups per group, 2 one joined lookup in a [512] table (half the table stores and barriers)
 
     def __post_init__(self) -> None:
         for name in ("pairs", "pairs_dn"):
@@ -418,6 +462,10 @@ class GroupedConfig:
                 raise ValueError(f"GroupedConfig.{name} must be in 1..{MAX_PT}, got {getattr(self, name)}")
         if self.terms not in (1, 2):
             raise ValueError(f"GroupedConfig.terms must be 1 or 2, got {self.terms}")
+        if self.smem not in (0, 1, 2):
+            raise ValueError(f"GroupedConfig.smem must be 0, 1 or 2, got {self.smem}")
+        if self.smem and not (self.prmt and not self.grid16 and not self.sign_math):
+            raise ValueError("GroupedConfig: smem needs the nibble tables (prmt, no grid16, no sign_math)")
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
 
@@ -447,6 +495,7 @@ CONFIG = GroupedConfig(
     prmt=_PRMT,
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",
     pos_reg=os.environ.get("DS4_MOE_GROUPED_POS_REG", "0") == "1",
+    smem=int(os.environ.get("DS4_MOE_GROUPED_SMEM", "0")),
 )
 
 
@@ -590,7 +639,8 @@ def moe_gate_up_grouped(
         *iq2_tables(x.device, cfg.grid16, cfg.prmt),
         runs.order, runs.eid, runs.offsets, out, k, B * k, E, F, K, B * K // 8, float(clamp),
         BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg),
-        SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, num_warps=cfg.warps, launch_pdl=PDL,
+        SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, SMEM=cfg.smem, num_warps=cfg.warps,
+        launch_pdl=PDL,
     )  # fmt: skip
     return out
 

@@ -135,6 +135,13 @@ def _variants() -> dict[str, dict]:
         "grouped down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pair_down=False)},
         "grouped sign math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sign_math=True)},
         "grouped prmt16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, grid16=True)},
+        "grouped smem1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=1)},
+        "grouped smem2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2)},
+        "rows w2": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, warps=2)},
+        "rows w2 + smem2": {
+            (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, warps=2),
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2),
+        },
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
             (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE),

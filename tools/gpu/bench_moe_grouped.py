@@ -2,6 +2,7 @@
 (row, slot) pair) vs the grouped-by-expert kernels (ds4.kernels.moe_grouped: one program per expert run).
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py [out_dir]        (< 90 s)
+              ... --latest: gate/up only the engine's config and the last two variants
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py --compile-only   (sm_90 build, SASS)
 
 Flash widths (K = 4096, F = 2048, 256 experts, 6 per row), IQ2_XXS gate/up and Q2_K down, random valid blocks
@@ -62,6 +63,8 @@ GU_VARIANTS = [
     GroupedConfig(prmt=True, sign_math=False, chain=True, pairs=2),
     GroupedConfig(prmt=True, grid16=True, sign_math=False),  # session 14: permutes from the 16-bit codes
     GroupedConfig(prmt=True, grid16=True, sign_math=True),
+    GroupedConfig(prmt=True, sign_math=False, smem=1),  # session 15: the tables by tl.gather (shared)
+    GroupedConfig(prmt=True, sign_math=False, smem=2),  # one joined lookup
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -71,6 +74,8 @@ DN_VARIANTS = [
     GroupedConfig(bn_dn=64),  # session 8's default (session 9: bn 128)
     GroupedConfig(bn_dn=128),
 ]
+if "--latest" in sys.argv:  # the engine's configs and this session's gate/up variants (the time budget)
+    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-2:]], DN_VARIANTS[:1]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")
@@ -99,7 +104,7 @@ def route(b: int, bias: torch.Tensor) -> torch.Tensor:
 
 def gu_label(c: GroupedConfig) -> str:
     extra = (" math" if c.sign_math else " masks") + " g16" * c.grid16 + " prmt" * c.prmt
-    extra += " chain" * c.chain + " preg" * c.pos_reg
+    extra += " chain" * c.chain + " preg" * c.pos_reg + f" smem{c.smem}" * bool(c.smem)
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}"
 
 
@@ -337,12 +342,14 @@ def compile_only() -> None:
     tables["prmt16"] = {"tab64": "*i16", "ksm": "*i32"}  # prmt with grid16: permutes from the 16-bit codes
     variants = [(True, "", False, False), (False, "g16", False, False), (True, "g16", False, False)]
     variants += [(False, "prmt", c, p) for c in (False, True) for p in (False, True)] + [(True, "prmt", 0, 0)]
-    variants += [(False, "prmt16", False, False), (True, "prmt16", False, False)]
+    variants += [(False, "prmt16", False, False), (True, "prmt16", False, False), (False, "prmt", 0, "smem")]
+    variants += [(False, "prmt", 0, "smem2")]
     for math, tab, chain, preg in variants:
         consts = {"BN": 16, "PT": 4, "CLAMP": True, "TERMS": 2, "DP4A": True, "SIGN_MATH": math}
-        consts |= {"CHAIN": bool(chain), "POS_REG": bool(preg)}
+        smem = {"smem": 1, "smem2": 2}.get(preg, 0)
+        consts |= {"CHAIN": bool(chain), "POS_REG": preg is True, "SMEM": smem}
         name = "gu bn16 pt4 w4 t2" + " math" * math + f" {tab}" * bool(tab)
-        name += " chain" * chain + " preg" * preg
+        name += " chain" * chain + " preg" * (preg is True) + f" {preg}" * str(preg).startswith("smem")
         runs.append((name, moe_grouped._gate_up_grouped_kernel, {**_GU_SIG, **tables[tab]}, consts, 4))
     for bn, pt, w in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (64, 2, 4)):
         for t in (2, 1):

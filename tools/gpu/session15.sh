@@ -3,8 +3,10 @@
 #   part a: q8_rows at 1 / 2 warps (mma.sync instead of wgmma: the x split and both operands in registers,
 #           matvec.Q8_ROWS): GPU tests, bench_q8 --rows against the default and the B = 64 tile, the
 #           B = 16 / 32 step with the two likeliest configs.
-#   part b: the batched-vs-alone check with the winner; a fresh B = 1 and B = 32 profile.
-# Usage: bash tools/gpu/session15.sh a|b
+#   part b: the batched-vs-alone check with q8_rows at 2 warps; a fresh B = 32 profile.
+#   part c: the grouped gate/up with its tables looked up by tl.gather (shared memory, GroupedConfig.smem):
+#           grouped tests, bench_moe_grouped, the B = 16 / 32 step against q8_rows w2 and both together.
+# Usage: bash tools/gpu/session15.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py -k q8_rows
@@ -17,4 +19,11 @@ if [ "$1" = b ]; then
   TAIL=14 run check 200 env DS4_Q8_ROWS_WARPS="${WARPS:-2}" DS4_Q8_ROWS_BN="${BN:-64}" \
     python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
   TAIL=40 run profile32 "$(left)" env DS4_PDL=0 python3 tools/gpu/profile_batch.py 32 8192
+fi
+if [ "$1" = c ]; then
+  # the grouped gate/up's tables looked up by tl.gather (shared memory; GroupedConfig.smem 1 / 2)
+  TAIL=4 run tests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py
+  TAIL=30 run grouped 150 sh -c "python3 tools/gpu/bench_moe_grouped.py --latest | grep -E 'B = |smem|masks prmt|per layer|check'"
+  TAIL=12 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
+    --variants "default,grouped smem1,grouped smem2,rows w2,rows w2 + smem2"
 fi
