@@ -328,6 +328,18 @@ def test_q8_rows_mma_sync_warps(warps, bn, b):
     assert rel_err(got, matvec.q8_rows(x, w, 128)) < 1e-6
 
 
+def test_q8_rows_wide_tile_above_32_rows(monkeypatch):
+    """Q8_ROWS_WIDE (where set) serves only batches above 32 rows, within the f32 bound."""
+    wide = matvec.Q8RowsConfig(bn=128, warps=8, min_blocks=16)
+    monkeypatch.setattr(matvec, "Q8_ROWS_WIDE", wide)
+    assert matvec.rows_config(33) is wide and matvec.rows_config(32) is matvec.Q8_ROWS
+    w = packed(GGMLType.Q8_0, (128, 1024), seed=98)
+    x = torch.randn(40, 1024, generator=generator(98), device=DEVICE)
+    got = matvec.qmatvec(x, w)
+    assert rel_err(got, ref.qmatvec(x, w)) < F32_TOL
+    assert torch.equal(got, matvec.q8_rows(x, w, 128, wide))
+
+
 def test_q8_rows_grouped_and_bad_tile():
     w = packed(GGMLType.Q8_0, (3, 64, 256), seed=60)
     x = torch.randn(12, 3, 256, generator=generator(60), device=DEVICE)

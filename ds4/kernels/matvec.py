@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -806,17 +806,29 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # (sm_90 TTGIR; Nsight Compute, session 14: MIO and barrier stalls, 2x more shared wavefronts than L1
 # requests). At 1 or 2 warps it lowers them to mma.sync (MMA v2): both operands in registers, the x split
 # in registers, no fence and no wait (sm_90 k loop at BB 32, BN 64, 2 warps: 349 instructions, 64 HMMA, 9
-# LDS, 127 registers; BN 32: 231, 80 registers). Same products: exact q times tf32 hi and lo. Env
-# DS4_Q8_ROWS_WARPS, DS4_Q8_ROWS_BN.
+# LDS, 127 registers; BN 32: 231, 80 registers). Same products: exact q times tf32 hi and lo. H200
+# (session 15; bench_q8.py --rows, per decode step of Q8_0 rows): B = 16 / 32 / 64 at 2 warps 6.11 / 8.52 /
+# 15.81 ms vs 7.55 / 9.25 / 19.02 at 4 (BN 32 at 2 warps: 6.42 / 12.64 / 14.01); whole B = 16 / 32 steps
+# (batch_check.py --variants, two calls) x1.042 / x1.015 and x1.044 / x1.019. 2 warps is the default (env
+# DS4_Q8_ROWS_WARPS=4: wgmma). DS4_Q8_ROWS_BN: the rows per program.
+# Above 32 rows (BB 64) Q8_ROWS_WIDE where set: BN 128 at 8 warps, splits of >= 16 blocks (bench_q8.py
+# --rows, B = 64: 12.21 ms vs 19.02 at the 4-warp default, 15.81 at 2 warps); env DS4_Q8_ROWS_WIDE=1.
 Q8_ROWS = Q8RowsConfig(
     target=int(os.environ.get("DS4_Q8_ROWS_TARGET", "1056")),
     min_blocks=int(os.environ.get("DS4_Q8_ROWS_MIN_BLOCKS", "4")),
     mode=os.environ.get("DS4_Q8_ROWS_MODE", "tf32x2"),
     stages=int(os.environ.get("DS4_Q8_ROWS_STAGES", "3")),
     blocks=int(os.environ.get("DS4_Q8_ROWS_BLOCKS", "1")),
-    warps=int(os.environ.get("DS4_Q8_ROWS_WARPS", "4")),
+    warps=int(os.environ.get("DS4_Q8_ROWS_WARPS", "2")),
     bn=int(os.environ.get("DS4_Q8_ROWS_BN", "64")),
 )
+_WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "0") == "1"
+Q8_ROWS_WIDE: Q8RowsConfig | None = replace(Q8_ROWS, bn=128, warps=8, min_blocks=16) if _WIDE else None
+
+
+def rows_config(b: int) -> Q8RowsConfig:
+    """The q8_rows tile for b rows of x: Q8_ROWS, or Q8_ROWS_WIDE (where set) above 32 rows."""
+    return Q8_ROWS_WIDE if b > 32 and Q8_ROWS_WIDE is not None else Q8_ROWS
 
 
 @triton.jit
@@ -924,9 +936,9 @@ def rows_blocks(k: int, cfg: Q8RowsConfig) -> int:
 
 def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsConfig | None = None):
     """x [B, G*K] f32 (G groups of K) with Q8_0 rows W [N, K] -> [B, N] f32, f32-accurate; row n reads x
-    group n // rows_per_group (rows_per_group = N: a plain matmul). cfg: tile (default Q8_ROWS)."""
-    cfg = cfg or Q8_ROWS
+    group n // rows_per_group (rows_per_group = N: a plain matmul). cfg: tile (default rows_config(B))."""
     B, N, K = x.shape[0], w.rows, w.K
+    cfg = cfg or rows_config(B)
     if cfg.mode not in Q8_ROWS_MODES:
         raise ValueError(f"q8_rows: mode must be one of {Q8_ROWS_MODES}, got {cfg.mode!r}")
     if rows_per_group % cfg.bn and rows_per_group != N:
@@ -988,7 +1000,7 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return ref.qmatvec_grouped(x2.reshape(B, G, K), w)
     if B == 1 and w.qtype == GGMLType.Q8_0 and N > 0 and N % Q8_MV1.bn == 0:
         return q8_mv1(x2, w, N).view(1, G, N)
-    if _takes_q8_rows(B, x2, w) and N > 0 and N % Q8_ROWS.bn == 0:
+    if _takes_q8_rows(B, x2, w) and N > 0 and N % rows_config(B).bn == 0:
         return q8_rows(x2.view(B, G * K), w, N).view(B, G, N)
     out = torch.empty(B, G, N, dtype=torch.float32, device=x.device)
     if B == 0 or N == 0:
@@ -1236,12 +1248,14 @@ __all__ = [
     "Q8RowsConfig",
     "Q8_MV1",
     "Q8_ROWS",
+    "Q8_ROWS_WIDE",
     "dot_rows",
     "hmatvec",
     "q8_mv1",
     "q8_mv1_plan",
     "q8_rows",
     "q8_rows_plan",
+    "rows_config",
     "qmatvec",
     "qmatvec_grouped",
     "qmatvec_plan",

@@ -128,7 +128,16 @@ _GU_DEF, _DN_DEF = replace(moe.GATE_UP, int8=True), replace(moe.DOWN, int8=True)
 GU_QUICK = [0, 1, 2, 3, 5, 6, 11, 12, 20, 21]  # pf, math, smem, smem math, smem math pf, bn8 pf, w8 pf,
 # w8 smem pf, prmt g16 (masks / math)
 DN_QUICK = [0, 1, 3, 6, 7, 8]  # bn64 pf, bn32 pf, bn64 s2, bn64 w8 pf, bn64 fix, bn64 pf fix
-if QUICK:  # the int8 default first, then the new variants
+# --latest (session 15): more programs for the latency-bound B <= 4 launches (768 gate/up programs at B = 1:
+# 36 % occupancy, long-scoreboard stalls 69 %; Nsight Compute, session 14) with the default decode (prmt)
+GU_LATEST = [_new(bn=8, prmt=True), _new(bn=16, splits=2, prmt=True), _new(bn=8, splits=2, prmt=True)]
+GU_LATEST += [_new(bn=4, prmt=True), _new(bn=16, warps=2, prmt=True)]
+DN_LATEST = [_new(bn=32), _new(bn=64, splits=2), _new(bn=32, splits=2), _new(bn=16)]
+if "--latest" in sys.argv:
+    QUICK, BATCHES = True, (1, 4)
+    GU = [("default " + label(_GU_DEF), _GU_DEF)] + [(label(c), c) for c in GU_LATEST]
+    DOWN = [("default " + label(_DN_DEF), _DN_DEF)] + [(label(c), c) for c in DN_LATEST]
+elif QUICK:  # the int8 default first, then the new variants
     BATCHES = (1, 4)
     GU = [("default " + label(_GU_DEF), _GU_DEF)] + [(label(GU_NEW[i]), GU_NEW[i]) for i in GU_QUICK]
     DOWN = [("default " + label(_DN_DEF), _DN_DEF)] + [(label(DN_NEW[i]), DN_NEW[i]) for i in DN_QUICK]

@@ -6,7 +6,9 @@
 #   part b: the batched-vs-alone check with q8_rows at 2 warps; a fresh B = 32 profile.
 #   part c: the grouped gate/up with its tables looked up by tl.gather (shared memory, GroupedConfig.smem):
 #           grouped tests, bench_moe_grouped, the B = 16 / 32 step against q8_rows w2 and both together.
-# Usage: bash tools/gpu/session15.sh a|b|c
+#   part d: q8_rows at 2 warps as the default (tests), the B = 1 expert tiles with more programs
+#           (bench_moe --latest, ab_decode), the B = 64 step with the wide rows tile.
+# Usage: bash tools/gpu/session15.sh a|b|c|d
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py -k q8_rows
@@ -26,4 +28,12 @@ if [ "$1" = c ]; then
   TAIL=30 run grouped 150 sh -c "python3 tools/gpu/bench_moe_grouped.py --latest | grep -E 'B = |smem|masks prmt|per layer|check'"
   TAIL=12 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
     --variants "default,grouped smem1,grouped smem2,rows w2,rows w2 + smem2"
+fi
+if [ "$1" = d ]; then
+  # q8_rows at 2 warps now the default; the B = 1 expert tiles (more programs); the B = 64 rows tile
+  TAIL=4 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py -k q8_rows
+  TAIL=24 run pair 110 sh -c "python3 tools/gpu/bench_moe.py --latest | grep -E 'B = |us|VERDICT'"
+  TAIL=8 run ab 190 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe bn8,moe s2,moe down bn32"
+  TAIL=8 run step64 "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 64 --steps 8 \
+    --variants "default,rows wide,rows w4"
 fi
