@@ -129,6 +129,8 @@ Q8_TILES = [
     matvec.Q8Config(int8=True, prefetch=True),
     matvec.Q8Config(16, 256, 4, 3, 8, int8=True, prefetch=True),
     matvec.Q8Config(16, 256, 4, 1, 10**6, int8=True, prefetch=True),
+    matvec.Q8Config(xdirect=True, flat=1056),  # long-lived programs from FLAT_MIN_TILES row tiles
+    matvec.Q8Config(xdirect=True, flat=100),  # several tiles per program
 ]
 # Q8Config.int8 against its twin ref.qmatvec_q8_0_int (the same integers, f32 rounding apart): F32_TOL;
 # against the exact f32 product: x's rounding error is <= amax / 64516 per value of each 32-block
@@ -143,6 +145,7 @@ def _q8_id(c: matvec.Q8Config) -> str:
         + "-magic" * c.magic
         + "-pre" * c.prefetch
         + "-int8" * c.int8
+        + f"-flat{c.flat}" * bool(c.flat)
     )
 
 
@@ -187,6 +190,23 @@ def test_q8_mv1_tiles(cfg):
     assert rel_err(matvec.qmatvec_grouped(xg.view(1, 3, 256), wg).reshape(-1), want) < F32_TOL
     with pytest.raises(ValueError, match="must divide the group of 20 rows"):
         matvec.q8_mv1(xg, packed(GGMLType.Q8_0, (3, 20, 256), seed=33), 20, matvec.Q8Config(bn=16))
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "groups", "programs"), [(64, 1024, 1, 3), (32, 256, 3, 5), (40, 512, 1, 64)]
+)
+def test_q8_mv1_flat_programs(monkeypatch, n, k, groups, programs):
+    """Q8Config.flat (_q8_flat_kernel, taken here from one row tile): programs owning several whole tiles
+    (uneven counts, some programs past the end), groups of rows each reading their own x slice; within the
+    f32 bound of the exact product."""
+    monkeypatch.setattr(matvec, "FLAT_MIN_TILES", 1)
+    cfg = matvec.Q8Config(xdirect=True, flat=programs)
+    w = packed(GGMLType.Q8_0, (groups, n, k) if groups > 1 else (n, k), seed=36 + n)
+    x = torch.randn(groups * k, generator=generator(36 + n), device=DEVICE)
+    want = (
+        ref.qmatvec_grouped(x.view(1, groups, k), w).reshape(-1) if groups > 1 else ref.qmatvec(x[None], w)[0]
+    )
+    assert rel_err(matvec.q8_mv1(x, w, n, cfg), want) < F32_TOL
 
 
 def test_q8_0_int_twin_within_its_rounding_bound():

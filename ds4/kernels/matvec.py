@@ -426,7 +426,10 @@ class Q8Config:
         its pdl_wait(), so with dispatch.PDL_EARLY it streams while the previous kernel drains;
       int8: x quantized first (intq.quantize_q8k per 32 values, two int8 planes: ~2^-16 of each block's
         amax) and the weight words dotted with it by dp4a (_q8_int_kernel): per 32 weights 16 dp4a, 8 IMAD
-        and one I2F instead of 32 I2F and 32 FMA, for one more (small) launch per matvec.
+        and one I2F instead of 32 I2F and 32 FMA, for one more (small) launch per matvec;
+      flat: long-lived programs (about `flat` of them, one wave) that walk whole row tiles k-tile by
+        k-tile with the next k-tile's loads issued before this one's math (_q8_flat_kernel): no split-K,
+        no fixup, fewer program starts; the large matrices only (FLAT_MIN_TILES).
     tools/gpu/bench_q8.py --variants times them; --compile-only prints these counts."""
 
     bn: int = 8
@@ -438,6 +441,9 @@ class Q8Config:
     magic: bool = False
     prefetch: bool = False
     int8: bool = False
+    flat: int = (
+        0  # > 0: matrices of >= FLAT_MIN_TILES row tiles by _q8_flat_kernel with about this many programs
+    )
 
 
 # tools/gpu/tune_decode.py times the alternatives: on an H200 (2026-11-29) this tile gave the lowest sum over
@@ -618,6 +624,59 @@ def _q8_int_kernel(
         _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
 
 
+@triton.jit
+def _q8_flat_loads(
+    qp, dp, xp, it, n_kt, t_lo, BN: tl.constexpr, TK: tl.constexpr, TB: tl.constexpr, K, N, NG
+):
+    """Pointers of flat iteration it (row tile t_lo + it // n_kt, k-tile it % n_kt) of _q8_flat_kernel:
+    quants [BN, TB, 32], scales [BN, TB], x [BN, TB, 32] (broadcast: XDIRECT's layout)."""
+    t = t_lo + it // n_kt
+    kt = it % n_kt
+    row = tl.minimum(t * BN, N - BN).to(tl.int64)  # tiles are whole (BN | N): clamped only past the end
+    xbase = (row // NG) * K  # the tile's rows lie in one group (BN | NG)
+    return qp + row * K + kt * TK, dp + row * (K // 32) + kt * TB, xp + xbase + kt * TK
+
+
+@triton.jit
+def _q8_flat_kernel(
+    x_ptr, qs, dsc, out_ptr, N, K, NG, tiles_per_prog, BN: tl.constexpr, TK: tl.constexpr,
+):  # fmt: skip
+    """out [N] of Q8Config.flat: program p owns row tiles p * tiles_per_prog .. (whole, BN | N) and walks
+    them k-tile by k-tile; the next iteration's weights and x are loaded before this one's math (one
+    k-tile in flight per thread beside the one in use), the first before pdl_wait (static weights)."""
+    TB: tl.constexpr = TK // 32
+    n_kt = K // TK
+    t_lo = tl.program_id(0) * tiles_per_prog
+    n_it = tl.maximum(tl.minimum(tiles_per_prog, N // BN - t_lo), 0) * n_kt
+    rr = tl.arange(0, BN)
+    blk = tl.arange(0, TB)
+    e = tl.arange(0, 32)
+    qp = qs + rr[:, None, None] * K + blk[None, :, None] * 32 + e[None, None, :]  # [BN, TB, 32], row 0
+    dp = dsc + rr[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
+    xp = tl.broadcast_to((x_ptr + blk[:, None] * 32 + e[None, :])[None], [BN, TB, 32])
+    q_p, d_p, x_p = _q8_flat_loads(qp, dp, xp, 0, n_kt, t_lo, BN, TK, TB, K, N, NG)
+    q_n, d_n = tl.load(q_p), tl.load(d_p)
+    pdl_wait()  # x comes from the previous kernel (dispatch.PDL)
+    x_n = tl.load(x_p)
+    acc = tl.zeros([BN, TB], dtype=tl.float32)
+    for it in range(0, n_it):
+        q, d, xv = q_n, d_n, x_n
+        q_p, d_p, x_p = _q8_flat_loads(
+            qp, dp, xp, tl.minimum(it + 1, n_it - 1), n_kt, t_lo, BN, TK, TB, K, N, NG
+        )
+        q_n, d_n, x_n = tl.load(q_p), tl.load(d_p), tl.load(x_p)
+        acc += _q8_tile(q, d, xv, True, False)
+        if it % n_kt == n_kt - 1:  # the tile's last k-tile: its row sums out
+            n = (t_lo + it // n_kt) * BN + rr
+            tl.store(out_ptr + n, tl.sum(acc, axis=1), mask=n < N)
+            acc = tl.zeros([BN, TB], dtype=tl.float32)
+
+
+# Row tiles from which Q8Config.flat takes _q8_flat_kernel (Flash at BN 8: q_b 4,096, o_a 1,024, the head
+# 16,160; o_b, the shared expert's 512 and q_a + kv's 192 keep split-K)
+FLAT_MIN_TILES = 1024
+
+
 def _q8_tile_k(k: int, cap: int) -> int:
     for tk in (1024, 512, 256, 128, 64, 32):
         if tk <= cap and k % tk == 0:
@@ -635,8 +694,16 @@ def q8_mv1(
     N, K = w.rows, w.K
     if rows_per_group % cfg.bn and rows_per_group != N:
         raise ValueError(f"q8_mv1: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
-    tk, per, splits = q8_mv1_plan(N, K, cfg)
     n_prog = triton.cdiv(N, cfg.bn)
+    if cfg.flat and not cfg.int8 and N % cfg.bn == 0 and n_prog >= FLAT_MIN_TILES:
+        out = torch.empty(N, dtype=torch.float32, device=x.device)
+        per = triton.cdiv(n_prog, cfg.flat)
+        _q8_flat_kernel[(triton.cdiv(n_prog, per),)](
+            x, w.data["qs"], w.data["d"], out, N, K, rows_per_group, per, BN=cfg.bn,
+            TK=_q8_tile_k(K, cfg.tk), num_warps=cfg.warps, launch_pdl=PDL,
+        )  # fmt: skip
+        return out
+    tk, per, splits = q8_mv1_plan(N, K, cfg)
     o = split_outputs(x.device, splits, n_prog, (N,))  # partials [S, N]
     if cfg.int8:
         q, dx = quantize_q8k(x.view(-1, K), 2, 32)  # [2, G, K], [G, K/32]
@@ -811,8 +878,9 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # 15.81 ms vs 7.55 / 9.25 / 19.02 at 4 (BN 32 at 2 warps: 6.42 / 12.64 / 14.01); whole B = 16 / 32 steps
 # (batch_check.py --variants, two calls) x1.042 / x1.015 and x1.044 / x1.019. 2 warps is the default (env
 # DS4_Q8_ROWS_WARPS=4: wgmma). DS4_Q8_ROWS_BN: the rows per program.
-# Above 32 rows (BB 64) Q8_ROWS_WIDE where set: BN 128 at 8 warps, splits of >= 16 blocks (bench_q8.py
-# --rows, B = 64: 12.21 ms vs 19.02 at the 4-warp default, 15.81 at 2 warps); env DS4_Q8_ROWS_WIDE=1.
+# Above 32 rows (BB 64) Q8_ROWS_WIDE: BN 128 at 8 warps, splits of >= 16 blocks (bench_q8.py --rows, B = 64
+# per step: 12.21 ms vs 19.02 at 4 warps, 15.81 at 2; whole B = 64 step at 8k, batch_check.py --variants:
+# 83.78 vs 86.82 ms, 763.9 vs 737.1 tok/s, x1.036; 4 warps 90.36). Env DS4_Q8_ROWS_WIDE=0: Q8_ROWS there too.
 Q8_ROWS = Q8RowsConfig(
     target=int(os.environ.get("DS4_Q8_ROWS_TARGET", "1056")),
     min_blocks=int(os.environ.get("DS4_Q8_ROWS_MIN_BLOCKS", "4")),
@@ -822,7 +890,7 @@ Q8_ROWS = Q8RowsConfig(
     warps=int(os.environ.get("DS4_Q8_ROWS_WARPS", "2")),
     bn=int(os.environ.get("DS4_Q8_ROWS_BN", "64")),
 )
-_WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "0") == "1"
+_WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "1") == "1"
 Q8_ROWS_WIDE: Q8RowsConfig | None = replace(Q8_ROWS, bn=128, warps=8, min_blocks=16) if _WIDE else None
 
 

@@ -80,6 +80,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
     "q8 int8 bn16": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, bn=16, tk=256)},
     "q8 int8 bn4": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, **mv.Q8_INT8_TILE)},
+    "q8 flat": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=660)},
+    "q8 flat 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=1056)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),
         (mv, "HMV_LARGE"): replace(mv.HMV_LARGE, prefetch=True),

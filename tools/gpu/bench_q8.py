@@ -195,7 +195,13 @@ VARIANTS = {
     "int8 bn16": replace(mv.Q8_MV1, int8=True, bn=16, tk=256),
     "int8 tk1024": replace(mv.Q8_MV1, int8=True, tk=1024),
     "int8 bn4": replace(mv.Q8_MV1, int8=True, **mv.Q8_INT8_TILE),
+    # session 15: long-lived programs from FLAT_MIN_TILES row tiles (sm_90: 96 registers, 5 per SM)
+    "flat 528": replace(mv.Q8_MV1, flat=528),
+    "flat 660": replace(mv.Q8_MV1, flat=660),
+    "flat 1056": replace(mv.Q8_MV1, flat=1056),
 }
+if "--latest" in sys.argv:  # the default and this session's variants
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "default" or k.startswith("flat")}
 
 
 def _variant(cfg: mv.Q8Config):

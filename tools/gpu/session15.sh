@@ -8,7 +8,9 @@
 #           grouped tests, bench_moe_grouped, the B = 16 / 32 step against q8_rows w2 and both together.
 #   part d: q8_rows at 2 warps as the default (tests), the B = 1 expert tiles with more programs
 #           (bench_moe --latest, ab_decode), the B = 64 step with the wide rows tile.
-# Usage: bash tools/gpu/session15.sh a|b|c|d
+#   part e: the flat Q8_0 matvec (Q8Config.flat): tests, bench_q8 --variants --latest, ab_decode; a B = 1
+#           profile (profile_regions.py 8192).
+# Usage: bash tools/gpu/session15.sh a|b|c|d|e
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py -k q8_rows
@@ -36,4 +38,11 @@ if [ "$1" = d ]; then
   TAIL=8 run ab 190 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe bn8,moe s2,moe down bn32"
   TAIL=8 run step64 "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 64 --steps 8 \
     --variants "default,rows wide,rows w4"
+fi
+if [ "$1" = e ]; then
+  # the flat Q8_0 matvec (Q8Config.flat: long-lived programs, the next k-tile loaded before this one's math)
+  TAIL=4 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py -k "q8_mv1 or flat"
+  TAIL=14 run q8 90 python3 tools/gpu/bench_q8.py --variants --latest
+  TAIL=8 run ab 150 python3 tools/gpu/ab_decode.py --rounds 2 --variants "q8 flat,q8 flat 1056"
+  TAIL=30 run profile1 "$(left)" python3 tools/gpu/profile_regions.py 8192
 fi
