@@ -349,10 +349,17 @@ def test_q8_rows_mma_sync_warps(warps, bn, b):
 
 
 def test_q8_rows_wide_tile_above_32_rows(monkeypatch):
-    """Q8_ROWS_WIDE (where set) serves only batches above 32 rows, within the f32 bound."""
+    """Q8_ROWS_WIDE (where set) serves only batches above 32 rows, Q8_ROWS_NARROW only up to 16, within the
+    f32 bound."""
     wide = matvec.Q8RowsConfig(bn=128, warps=8, min_blocks=16)
+    narrow = matvec.Q8RowsConfig(bn=32, warps=2, target=2112)
     monkeypatch.setattr(matvec, "Q8_ROWS_WIDE", wide)
+    monkeypatch.setattr(matvec, "Q8_ROWS_NARROW", narrow)
     assert matvec.rows_config(33) is wide and matvec.rows_config(32) is matvec.Q8_ROWS
+    assert matvec.rows_config(16) is narrow and matvec.rows_config(17) is matvec.Q8_ROWS
+    x16 = torch.randn(12, 1024, generator=generator(99), device=DEVICE)
+    w16 = packed(GGMLType.Q8_0, (64, 1024), seed=99)
+    assert rel_err(matvec.qmatvec(x16, w16), ref.qmatvec(x16, w16)) < F32_TOL
     w = packed(GGMLType.Q8_0, (128, 1024), seed=98)
     x = torch.randn(40, 1024, generator=generator(98), device=DEVICE)
     got = matvec.qmatvec(x, w)

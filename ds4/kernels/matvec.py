@@ -892,11 +892,18 @@ Q8_ROWS = Q8RowsConfig(
 )
 _WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "1") == "1"
 Q8_ROWS_WIDE: Q8RowsConfig | None = replace(Q8_ROWS, bn=128, warps=8, min_blocks=16) if _WIDE else None
+# Up to 16 rows (BB 16) Q8_ROWS_NARROW where set: BN 32 at 2 warps, 2,112 programs (bench_q8.py --rows, B = 16
+# per step: 5.49 ms vs 6.11 at Q8_ROWS; B = 32 13.60: not there); env DS4_Q8_ROWS_NARROW=1.
+_NARROW = os.environ.get("DS4_Q8_ROWS_NARROW", "0") == "1"
+Q8_ROWS_NARROW: Q8RowsConfig | None = replace(Q8_ROWS, bn=32, warps=2, target=2112) if _NARROW else None
 
 
 def rows_config(b: int) -> Q8RowsConfig:
-    """The q8_rows tile for b rows of x: Q8_ROWS, or Q8_ROWS_WIDE (where set) above 32 rows."""
-    return Q8_ROWS_WIDE if b > 32 and Q8_ROWS_WIDE is not None else Q8_ROWS
+    """The q8_rows tile for b rows of x: Q8_ROWS, Q8_ROWS_WIDE above 32 rows and Q8_ROWS_NARROW up to 16
+    (where set)."""
+    if b > 32 and Q8_ROWS_WIDE is not None:
+        return Q8_ROWS_WIDE
+    return Q8_ROWS_NARROW if b <= 16 and Q8_ROWS_NARROW is not None else Q8_ROWS
 
 
 @triton.jit
@@ -1316,6 +1323,7 @@ __all__ = [
     "Q8RowsConfig",
     "Q8_MV1",
     "Q8_ROWS",
+    "Q8_ROWS_NARROW",
     "Q8_ROWS_WIDE",
     "dot_rows",
     "hmatvec",

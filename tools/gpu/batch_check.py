@@ -141,6 +141,7 @@ def _variants() -> dict[str, dict]:
         "rows w4": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, warps=4)},  # wgmma (before session 15)
         "rows wide": {(matvec, "Q8_ROWS_WIDE"): replace(matvec.Q8_ROWS, bn=128, warps=8, min_blocks=16)},
         "rows no wide": {(matvec, "Q8_ROWS_WIDE"): None},
+        "rows narrow": {(matvec, "Q8_ROWS_NARROW"): replace(matvec.Q8_ROWS, bn=32, warps=2, target=2112)},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
             (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE),

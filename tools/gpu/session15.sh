@@ -8,8 +8,8 @@
 #           grouped tests, bench_moe_grouped, the B = 16 / 32 step against q8_rows w2 and both together.
 #   part d: q8_rows at 2 warps as the default (tests), the B = 1 expert tiles with more programs
 #           (bench_moe --latest, ab_decode), the B = 64 step with the wide rows tile.
-#   part e: the flat Q8_0 matvec (Q8Config.flat): tests, bench_q8 --variants --latest, ab_decode; a B = 1
-#           profile (profile_regions.py 8192).
+#   part e: the flat Q8_0 matvec (Q8Config.flat): tests, bench_q8 --variants --latest, ab_decode; the B = 16
+#           step with the narrow rows tile; a B = 1 profile (profile_regions.py 8192).
 # Usage: bash tools/gpu/session15.sh a|b|c|d|e
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
@@ -44,5 +44,7 @@ if [ "$1" = e ]; then
   TAIL=4 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py -k "q8_mv1 or flat"
   TAIL=14 run q8 90 python3 tools/gpu/bench_q8.py --variants --latest
   TAIL=8 run ab 150 python3 tools/gpu/ab_decode.py --rounds 2 --variants "q8 flat,q8 flat 1056"
+  TAIL=6 run step16 130 python3 tools/gpu/batch_check.py --skip-check --batches 16 --steps 16 \
+    --variants "default,rows narrow"
   TAIL=30 run profile1 "$(left)" python3 tools/gpu/profile_regions.py 8192
 fi
