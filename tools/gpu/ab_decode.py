@@ -30,6 +30,10 @@ Variants (each the other side of an engine default; env names in brackets):
   moe prmt math   moe.GATE_UP.sign_math     (DS4_MOE_SIGN_MATH=1) gate/up prmt: sign nibbles computed
   hc scalar       fused.HC_FINISH_SCALAR    (DS4_HC_FINISH_SCALAR=1) S = 4 finish: Sinkhorn on scalars
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
+  moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
+  moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
+  moe down bn32   moe.DOWN.bn = 32
+  q8 flat         matvec.Q8_MV1.flat = 660 (1056: "q8 flat 1056") long-lived programs on the large matrices
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
 time it by running the tool once with DS4_PDL_EARLY=0 and once without.
