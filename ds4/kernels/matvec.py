@@ -673,7 +673,9 @@ def _q8_flat_kernel(
 
 
 # Row tiles from which Q8Config.flat takes _q8_flat_kernel (Flash at BN 8: q_b 4,096, o_a 1,024, the head
-# 16,160; o_b, the shared expert's 512 and q_a + kv's 192 keep split-K)
+# 16,160; o_b, the shared expert's 512 and q_a + kv's 192 keep split-K). H200 (session 15, ab_decode.py at
+# 4k ctx): 660 programs 107.33, 1,056 106.57 vs 111.65 tok/s: slower (sm_90: 96 registers for the tile in
+# flight, 5 programs per SM, against the split-K kernel's 44 and many short programs), so flat stays 0.
 FLAT_MIN_TILES = 1024
 
 
@@ -893,7 +895,9 @@ Q8_ROWS = Q8RowsConfig(
 _WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "1") == "1"
 Q8_ROWS_WIDE: Q8RowsConfig | None = replace(Q8_ROWS, bn=128, warps=8, min_blocks=16) if _WIDE else None
 # Up to 16 rows (BB 16) Q8_ROWS_NARROW where set: BN 32 at 2 warps, 2,112 programs (bench_q8.py --rows, B = 16
-# per step: 5.49 ms vs 6.11 at Q8_ROWS; B = 32 13.60: not there); env DS4_Q8_ROWS_NARROW=1.
+# per step: 5.49 ms vs 6.11 at Q8_ROWS; B = 32 13.60: not there; whole B = 16 step 30.42 vs 30.95 ms, x1.017,
+# session 15). Off until the batched-vs-alone check has run with it (B = 16 sits at 1.86e-2 of its 2e-2 bar
+# with the 2-warp default); env DS4_Q8_ROWS_NARROW=1.
 _NARROW = os.environ.get("DS4_Q8_ROWS_NARROW", "0") == "1"
 Q8_ROWS_NARROW: Q8RowsConfig | None = replace(Q8_ROWS, bn=32, warps=2, target=2112) if _NARROW else None
 

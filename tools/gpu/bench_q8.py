@@ -231,8 +231,9 @@ def run_variants(dev: torch.device) -> None:
         for cfg in VARIANTS.values():
             _variant(cfg)()
             errs.append(rel(call(xc, ws[0]), want))
-        worst = max(worst, *(e for e, c in zip(errs, VARIANTS.values(), strict=True) if not c.int8))
-        worst8 = max(worst8, *(e for e, c in zip(errs, VARIANTS.values(), strict=True) if c.int8))
+        pairs = list(zip(errs, VARIANTS.values(), strict=True))
+        worst = max([worst] + [e for e, c in pairs if not c.int8])
+        worst8 = max([worst8] + [e for e, c in pairs if c.int8])  # none under --latest
         calls = [lambda w=w, x=x: call(x, w) for w in ws]
         t = time_ways(calls, {v: _variant(c) for v, c in VARIANTS.items()})
         cols = [f"{t[v] * 1e6:9.1f} {mb / t[v] / 1e3:6.0f}" for v in VARIANTS]
