@@ -26,6 +26,7 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
 
 # kernel -> the parameters (static weights) its statements before pdl_wait() may load from
 PREWAIT = {"_q8_mv1_kernel": {"qs", "dsc"}, "_q8_int_kernel": {"qs", "dsc"}, "_hmv_kernel": {"w_ptr"}}
+PREWAIT["_q8_flat_kernel"] = {"qs", "dsc"}
 
 
 def _is_wait(node: ast.stmt) -> bool:

@@ -625,16 +625,10 @@ def _q8_int_kernel(
 
 
 @triton.jit
-def _q8_flat_loads(
-    qp, dp, xp, it, n_kt, t_lo, BN: tl.constexpr, TK: tl.constexpr, TB: tl.constexpr, K, N, NG
-):
-    """Pointers of flat iteration it (row tile t_lo + it // n_kt, k-tile it % n_kt) of _q8_flat_kernel:
-    quants [BN, TB, 32], scales [BN, TB], x [BN, TB, 32] (broadcast: XDIRECT's layout)."""
-    t = t_lo + it // n_kt
-    kt = it % n_kt
-    row = tl.minimum(t * BN, N - BN).to(tl.int64)  # tiles are whole (BN | N): clamped only past the end
-    xbase = (row // NG) * K  # the tile's rows lie in one group (BN | NG)
-    return qp + row * K + kt * TK, dp + row * (K // 32) + kt * TB, xp + xbase + kt * TK
+def _q8_flat_row(it, n_kt, t_lo, BN: tl.constexpr, N):
+    """(first row, k-tile) of flat iteration it of _q8_flat_kernel: row tile t_lo + it // n_kt (tiles are
+    whole, BN | N; clamped only past the end), k-tile it % n_kt."""
+    return tl.minimum((t_lo + it // n_kt) * BN, N - BN).to(tl.int64), it % n_kt
 
 
 @triton.jit
@@ -643,7 +637,7 @@ def _q8_flat_kernel(
 ):  # fmt: skip
     """out [N] of Q8Config.flat: program p owns row tiles p * tiles_per_prog .. (whole, BN | N) and walks
     them k-tile by k-tile; the next iteration's weights and x are loaded before this one's math (one
-    k-tile in flight per thread beside the one in use), the first before pdl_wait (static weights)."""
+    k-tile in flight per thread beside the one in use), the first weights before pdl_wait (static)."""
     TB: tl.constexpr = TK // 32
     n_kt = K // TK
     t_lo = tl.program_id(0) * tiles_per_prog
@@ -653,18 +647,19 @@ def _q8_flat_kernel(
     e = tl.arange(0, 32)
     qp = qs + rr[:, None, None] * K + blk[None, :, None] * 32 + e[None, None, :]  # [BN, TB, 32], row 0
     dp = dsc + rr[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
-    xp = tl.broadcast_to((x_ptr + blk[:, None] * 32 + e[None, :])[None], [BN, TB, 32])
-    q_p, d_p, x_p = _q8_flat_loads(qp, dp, xp, 0, n_kt, t_lo, BN, TK, TB, K, N, NG)
-    q_n, d_n = tl.load(q_p), tl.load(d_p)
+    xp = tl.broadcast_to((x_ptr + blk[:, None] * 32 + e[None, :])[None], [BN, TB, 32])  # XDIRECT's layout
+    row, kt = _q8_flat_row(0, n_kt, t_lo, BN, N)
+    q_n = tl.load(qp + row * K + kt * TK)
+    d_n = tl.load(dp + row * (K // 32) + kt * TB)
     pdl_wait()  # x comes from the previous kernel (dispatch.PDL)
-    x_n = tl.load(x_p)
+    x_n = tl.load(xp + (row // NG) * K + kt * TK)  # the tile's rows lie in one group (BN | NG)
     acc = tl.zeros([BN, TB], dtype=tl.float32)
     for it in range(0, n_it):
         q, d, xv = q_n, d_n, x_n
-        q_p, d_p, x_p = _q8_flat_loads(
-            qp, dp, xp, tl.minimum(it + 1, n_it - 1), n_kt, t_lo, BN, TK, TB, K, N, NG
-        )
-        q_n, d_n, x_n = tl.load(q_p), tl.load(d_p), tl.load(x_p)
+        row, kt = _q8_flat_row(tl.minimum(it + 1, n_it - 1), n_kt, t_lo, BN, N)
+        q_n = tl.load(qp + row * K + kt * TK)
+        d_n = tl.load(dp + row * (K // 32) + kt * TB)
+        x_n = tl.load(xp + (row // NG) * K + kt * TK)
         acc += _q8_tile(q, d, xv, True, False)
         if it % n_kt == n_kt - 1:  # the tile's last k-tile: its row sums out
             n = (t_lo + it // n_kt) * BN + rr
@@ -676,6 +671,8 @@ def _q8_flat_kernel(
 # 16,160; o_b, the shared expert's 512 and q_a + kv's 192 keep split-K). H200 (session 15, ab_decode.py at
 # 4k ctx): 660 programs 107.33, 1,056 106.57 vs 111.65 tok/s: slower (sm_90: 96 registers for the tile in
 # flight, 5 programs per SM, against the split-K kernel's 44 and many short programs), so flat stays 0.
+# Restructured after that run so that tests/test_pdl_wiring.py can see its pre-wait loads reach only the
+# weights (the same loads and math; sm_90 build now 128 registers; not re-timed).
 FLAT_MIN_TILES = 1024
 
 
