@@ -47,7 +47,18 @@ from .matvec import (
     use_triton,
     weight_args,
 )
-from .packing import PackedWeight, iq2_sign_nibbles, iq2xxs_codes16, iq2xxs_grid_i64, iq2xxs_nibbles
+from .packing import (
+    PRMT_NEG,
+    PRMT_POS,
+    PackedWeight,
+    iq2_sign_nibbles,
+    iq2xxs_codes16,
+    iq2xxs_grid_i64,
+    iq2xxs_nibbles,
+)
+
+_PRMT_POS = tl.constexpr(PRMT_POS)  # readable inside the kernels
+_PRMT_NEG = tl.constexpr(PRMT_NEG)
 
 
 @triton.jit
@@ -502,7 +513,7 @@ def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, 
     if POS_REG:  # the nibble table's word 256 (the launcher refuses POS_REG with the 16-bit codes)
         a = tl.zeros_like(w) + tl.load(nib + 256)
     else:
-        a = tl.full(w.shape, 0x002B1908, tl.int32)
+        a = tl.full(w.shape, _PRMT_POS, tl.int32)
     if SIGN_MATH:
         par = (tl.full(si.shape, 0x6996, tl.int32) >> ((si ^ (si >> 4)) & 15)) & 1
         lo = w | _sign_nibbles(si & 15)
@@ -510,7 +521,7 @@ def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, 
     else:
         lo = w | tl.load(snib + si)
         hi = lo >> 16
-    b = tl.full(lo.shape, 0x00D5E7F8, tl.int32)  # bytes -8, -25, -43, 0: PRMT's immediate operand
+    b = tl.full(lo.shape, _PRMT_NEG, tl.int32)  # bytes -8, -25, -43, 0: PRMT's immediate operand
     return _prmt(a, b, lo, PTX), _prmt(a, b, hi, PTX)
 
 

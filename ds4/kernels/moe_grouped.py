@@ -48,6 +48,8 @@ from .dispatch import PDL, pdl_wait
 from .intq import dp4a_ok
 from .matvec import check_weight, prep_x, use_triton
 from .moe import (
+    _PRMT_NEG,
+    _PRMT_POS,
     DOWN,
     GATE_UP,
     _dot4,
@@ -107,8 +109,8 @@ def _prmt_smem(nib_r, snib_r, idx, si, PTX: tl.constexpr):
         w = tl.reshape(tl.gather(nib_r, tl.reshape(ip, (ip.numel,)), 0), ip.shape)
         lo = w | tl.reshape(tl.gather(snib_r, tl.reshape(sp, (sp.numel,)), 0), sp.shape)
     hi = lo >> 16
-    a = tl.full(lo.shape, 0x002B1908, tl.int32)  # bytes 8, 25, 43, 0 and -8, -25, -43, 0 (_prmt_words)
-    b = tl.full(lo.shape, 0x00D5E7F8, tl.int32)
+    a = tl.full(lo.shape, _PRMT_POS, tl.int32)  # the permutes' source words, as in moe._prmt_words
+    b = tl.full(lo.shape, _PRMT_NEG, tl.int32)
     return tl.permute(_prmt(a, b, lo, PTX), (1, 0, 2)), tl.permute(_prmt(a, b, hi, PTX), (1, 0, 2))
 
 

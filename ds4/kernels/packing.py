@@ -188,12 +188,18 @@ def _grid_codes() -> torch.Tensor:
     return (mags > 8).long() + (mags > 25).long()
 
 
+# The byte permutes' two source words of IQ2_XXS decoding (moe._prmt_words): the magnitudes 8, 25, 43
+# (byte 3: 0) and their negations, so a selector nibble picks a signed magnitude
+PRMT_POS = 0x002B1908
+PRMT_NEG = 0x00D5E7F8
+
+
 @functools.cache  # built once per device, before any graph capture (a host copy cannot be captured)
 def iq2xxs_nibbles(device: torch.device) -> torch.Tensor:
     """[257] int32: each grid row's magnitude codes as nibbles (element j at bits 4j: moe._prmt_words),
     then the permutes' source word of the positive magnitudes (bytes 8, 25, 43, 0: PRMT_POS)."""
     word = (_grid_codes() << (4 * torch.arange(8))).sum(1)  # < 2^31: codes <= 2
-    return torch.cat([word, torch.tensor([0x002B1908])]).to(torch.int32).to(device)
+    return torch.cat([word, torch.tensor([PRMT_POS])]).to(torch.int32).to(device)
 
 
 @functools.cache  # built once per device, before any graph capture (a host copy cannot be captured)
