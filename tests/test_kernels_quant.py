@@ -351,8 +351,8 @@ def test_q8_rows_mma_sync_warps(warps, bn, b):
 def test_q8_rows_wide_tile_above_32_rows(monkeypatch):
     """Q8_ROWS_WIDE (where set) serves only batches above 32 rows, Q8_ROWS_NARROW only up to 16, within the
     f32 bound."""
-    wide = matvec.Q8RowsConfig(bn=128, warps=8, min_blocks=16)
-    narrow = matvec.Q8RowsConfig(bn=32, warps=2, target=2112)
+    wide = matvec.Q8RowsConfig(**matvec.Q8_ROWS_WIDE_TILE)
+    narrow = matvec.Q8RowsConfig(**matvec.Q8_ROWS_NARROW_TILE)
     monkeypatch.setattr(matvec, "Q8_ROWS_WIDE", wide)
     monkeypatch.setattr(matvec, "Q8_ROWS_NARROW", narrow)
     assert matvec.rows_config(33) is wide and matvec.rows_config(32) is matvec.Q8_ROWS

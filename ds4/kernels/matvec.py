@@ -889,14 +889,16 @@ Q8_ROWS = Q8RowsConfig(
     warps=int(os.environ.get("DS4_Q8_ROWS_WARPS", "2")),
     bn=int(os.environ.get("DS4_Q8_ROWS_BN", "64")),
 )
+Q8_ROWS_WIDE_TILE = {"bn": 128, "warps": 8, "min_blocks": 16}  # tools set Q8_ROWS_WIDE from it
 _WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "1") == "1"
-Q8_ROWS_WIDE: Q8RowsConfig | None = replace(Q8_ROWS, bn=128, warps=8, min_blocks=16) if _WIDE else None
+Q8_ROWS_WIDE: Q8RowsConfig | None = replace(Q8_ROWS, **Q8_ROWS_WIDE_TILE) if _WIDE else None
 # Up to 16 rows (BB 16) Q8_ROWS_NARROW where set: BN 32 at 2 warps, 2,112 programs (bench_q8.py --rows, B = 16
 # per step: 5.49 ms vs 6.11 at Q8_ROWS; B = 32 13.60: not there; whole B = 16 step 30.42 vs 30.95 ms, x1.017,
 # session 15). Off until the batched-vs-alone check has run with it (B = 16 sits at 1.86e-2 of its 2e-2 bar
 # with the 2-warp default); env DS4_Q8_ROWS_NARROW=1.
+Q8_ROWS_NARROW_TILE = {"bn": 32, "warps": 2, "target": 2112}
 _NARROW = os.environ.get("DS4_Q8_ROWS_NARROW", "0") == "1"
-Q8_ROWS_NARROW: Q8RowsConfig | None = replace(Q8_ROWS, bn=32, warps=2, target=2112) if _NARROW else None
+Q8_ROWS_NARROW: Q8RowsConfig | None = replace(Q8_ROWS, **Q8_ROWS_NARROW_TILE) if _NARROW else None
 
 
 def rows_config(b: int) -> Q8RowsConfig:
@@ -1325,7 +1327,9 @@ __all__ = [
     "Q8_MV1",
     "Q8_ROWS",
     "Q8_ROWS_NARROW",
+    "Q8_ROWS_NARROW_TILE",
     "Q8_ROWS_WIDE",
+    "Q8_ROWS_WIDE_TILE",
     "dot_rows",
     "hmatvec",
     "q8_mv1",

@@ -137,11 +137,10 @@ def _variants() -> dict[str, dict]:
         "grouped prmt16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, grid16=True)},
         "grouped smem1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=1)},
         "grouped smem2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2)},
-        "rows w2": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, warps=2)},
         "rows w4": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, warps=4)},  # wgmma (before session 15)
-        "rows wide": {(matvec, "Q8_ROWS_WIDE"): replace(matvec.Q8_ROWS, bn=128, warps=8, min_blocks=16)},
+        "rows wide": {(matvec, "Q8_ROWS_WIDE"): replace(matvec.Q8_ROWS, **matvec.Q8_ROWS_WIDE_TILE)},
         "rows no wide": {(matvec, "Q8_ROWS_WIDE"): None},
-        "rows narrow": {(matvec, "Q8_ROWS_NARROW"): replace(matvec.Q8_ROWS, bn=32, warps=2, target=2112)},
+        "rows narrow": {(matvec, "Q8_ROWS_NARROW"): replace(matvec.Q8_ROWS, **matvec.Q8_ROWS_NARROW_TILE)},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
             (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE),

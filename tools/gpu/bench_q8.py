@@ -2,7 +2,7 @@
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_q8.py            (< 90 s)
               PYTHONPATH=. python3 tools/gpu/bench_q8.py --variants   (q8_mv1 code variants, B = 1; < 60 s)
-              PYTHONPATH=. python3 tools/gpu/bench_q8.py --rows [--cfgs "w2,bn32 w2"]   (B = 16 / 32 / 64:
+              PYTHONPATH=. python3 tools/gpu/bench_q8.py --rows [--cfgs "w4,bn32 w2"]   (B = 16 / 32 / 64:
               q8_rows vs dense bf16 and its ROW_CFGS variants, or those named)
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_q8.py --list     (shapes and launch plans; no GPU)
               PYTHONPATH=. python3 tools/gpu/bench_q8.py --compile-only   (sm_90 builds with Triton's bundled
@@ -267,15 +267,15 @@ ROW_CFGS = {  # q8_rows variants timed beside the default (spec: Q8RowsConfig fi
     "t528": "target=528",
     "bn128 w8": "bn=128,warps=8",  # half the x re-reads per weight byte (sm_90: 87 registers, 157-op loop)
     "bn128 w8 mb16": "bn=128,warps=8,min_blocks=16",
-    # mma.sync instead of wgmma (see matvec.Q8_ROWS): the x split and both operands in registers
-    "w2": "warps=2",
+    # session 15: mma.sync (2 warps, now the default: see matvec.Q8_ROWS) against wgmma (4 warps) and others
+    "w4": "warps=4",
     "w2 t2112": "warps=2,target=2112",
     "bn32 w2": "bn=32,warps=2",
     "bn32 w1": "bn=32,warps=1",
     "bn32 w2 t2112": "bn=32,warps=2,target=2112",
     "w2 mb16": "warps=2,min_blocks=16",
 }
-if "--cfgs" in sys.argv:  # a subset: --cfgs "w2,bn32 w2"
+if "--cfgs" in sys.argv:  # a subset: --cfgs "w4,bn32 w2"
     _pick = sys.argv[sys.argv.index("--cfgs") + 1].split(",")
     ROW_CFGS = {name: ROW_CFGS[name] for name in _pick}
 

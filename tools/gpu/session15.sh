@@ -2,7 +2,8 @@
 # Device calls of session 15, one part per call (.gpu/shared carried, see session5.sh):
 #   part a: q8_rows at 1 / 2 warps (mma.sync instead of wgmma: the x split and both operands in registers,
 #           matvec.Q8_ROWS): GPU tests, bench_q8 --rows against the default and the B = 64 tile, the
-#           B = 16 / 32 step with the two likeliest configs.
+#           B = 16 / 32 step with the two likeliest configs. (As run, the default was 4 warps and the list
+#           began with "w2"; 2 warps is the default now, so its other side is "w4".)
 #   part b: the batched-vs-alone check with q8_rows at 2 warps; a fresh B = 32 profile.
 #   part c: the grouped gate/up with its tables looked up by tl.gather (shared memory, GroupedConfig.smem):
 #           grouped tests, bench_moe_grouped, the B = 16 / 32 step against q8_rows w2 and both together.
@@ -15,7 +16,7 @@ source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py -k q8_rows
   TAIL=16 run rows 230 sh -c "python3 tools/gpu/bench_q8.py --rows --cfgs \
-'w2,w2 t2112,bn32 w2,bn32 w1,bn32 w2 t2112,bn128 w8 mb16' | grep -E 'per decode|VERDICT|BEST|max rel|B=32|32 '"
+'w4,w2 t2112,bn32 w2,bn32 w1,bn32 w2 t2112,bn128 w8 mb16' | grep -E 'per decode|VERDICT|BEST|max rel|B=32|32 '"
   TAIL=12 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 16,32 --steps 16 \
     --variants "default,rows:warps=2,rows:bn=32+warps=2"
 fi
