@@ -598,6 +598,7 @@ _DECODE_VARIANTS = {
     "grid16": {"grid16": True},
     "prmt": {"prmt": True},
     "prmt16": {"prmt": True, "grid16": True},
+    "prmt_lds": {"prmt": True, "lds": True},
 }
 
 
@@ -605,8 +606,8 @@ _DECODE_VARIANTS = {
 @pytest.mark.parametrize("variant", list(_DECODE_VARIANTS))
 def test_moe_decode_variants_change_no_bit(sign_math, variant):
     """The gate/up pair kernel with the 16-bit code table (grid16), the nibble tables and byte permutes
-    (prmt), or the permutes from the 16-bit codes (prmt16) decodes the same signed grid words: equal to the
-    8-byte-row table bit for bit."""
+    (prmt), the nibble tables from the kernel's static shared copy (prmt_lds), or the permutes from the
+    16-bit codes (prmt16) decodes the same signed grid words: equal to the 8-byte-row table bit for bit."""
     wg, wu, _, ids, x, _, _ = _int8_case(16, 512, 64)
     cfg = moe.MoeConfig(16, 1, 4, int8=True, sign_math=sign_math)
     want = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)
@@ -656,9 +657,12 @@ def _prmt_words_kernel(
     MATH: tl.constexpr,
     PTX: tl.constexpr,
     POS_REG: tl.constexpr,
+    LDS: tl.constexpr,
 ):
+    if LDS:
+        moe._lds_fill(nib, snib, PTX)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    lo, hi = moe._prmt_words(nib, snib, tl.load(idx_ptr + i), tl.load(si_ptr + i), MATH, PTX, POS_REG)
+    lo, hi = moe._prmt_words(nib, snib, tl.load(idx_ptr + i), tl.load(si_ptr + i), MATH, PTX, POS_REG, LDS)
     tl.store(lo_ptr + i, lo)
     tl.store(hi_ptr + i, hi)
 
@@ -667,7 +671,8 @@ def _prmt_words_kernel(
 def test_prmt_and_signed_words_exhaustive(ptx):
     """moe._prmt against the PTX definition on random words, and moe._prmt_words (MoeConfig.prmt) on every
     (grid row, sign pattern) = the grid bytes with KSIGNS applied, straight from the tables: sign nibbles
-    gathered and computed (MoeConfig.sign_math), the positive word a constant and loaded (POS_REG)."""
+    gathered and computed (MoeConfig.sign_math), the positive word a constant and loaded (POS_REG), the
+    tables read from the kernel's static shared copy (LDS, MoeConfig.lds; ld.shared under PTX)."""
     from ds4.kernels.packing import iq2_sign_nibbles, iq2xxs_nibbles
 
     assert CUDA or not ptx
@@ -684,10 +689,12 @@ def test_prmt_and_signed_words_exhaustive(ptx):
     si = torch.arange(128, dtype=torch.int32).repeat(256).to(DEVICE)
     lo, hi = (torch.empty(256 * 128, dtype=torch.int32, device=DEVICE) for _ in range(2))
     nib, snib = iq2xxs_nibbles(dev), iq2_sign_nibbles(dev)
-    for math, preg in ((False, False), (True, False), (False, True)):
-        _prmt_words_kernel[(32,)](nib, snib, idx, si, lo, hi, BLOCK=1024, MATH=math, PTX=ptx, POS_REG=preg)
+    for math, preg, lds in ((False, False, False), (True, False, False), (False, True, False), (0, 0, 1)):
+        _prmt_words_kernel[(32,)](
+            nib, snib, idx, si, lo, hi, BLOCK=1024, MATH=math, PTX=ptx, POS_REG=preg, LDS=bool(lds)
+        )  # fmt: skip
         got = torch.stack([lo, hi], 1).cpu().view(torch.int8).reshape(-1, 8)
-        assert torch.equal(got, _want_signed_bytes()), (math, preg)
+        assert torch.equal(got, _want_signed_bytes()), (math, preg, lds)
         lo.zero_(), hi.zero_()
 
 

@@ -116,14 +116,17 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"prmt": True, "grid16": True, "sign_math": True},
         {"prmt": True, "smem": 1},
         {"prmt": True, "smem": 2},
+        {"prmt": True, "lds": True},
+        {"prmt": True, "lds": True, "sign_math": True},
     ],
     ids=lambda v: "+".join(v),
 )
 def test_grouped_decode_variants_change_no_bit(variant):
     """GroupedConfig.sign_math (computed sign masks), .grid16 (the 16-bit code table) and .prmt (nibble
     tables, byte permutes; with sign_math the sign nibbles computed; pos_reg: their source word loaded;
-    smem: the tables looked up by tl.gather) decode the same signed grid words, and .chain sums the same
-    integers: gate/up equals the gathered-mask 8-byte-row decode bit for bit."""
+    smem: the tables looked up by tl.gather; lds: read from the kernel's static shared copy) decode the
+    same signed grid words, and .chain sums the same integers: gate/up equals the gathered-mask 8-byte-row
+    decode bit for bit."""
     from dataclasses import replace
 
     wg, wu, _, ids, x, _, _ = _case(24, 256, 40, IDS, 52)
@@ -153,15 +156,23 @@ def test_routed_grouped_other_ranks_experts_add_nothing(pair_down):
     assert rel_err(got, ref.moe_down_q8k(mid_ref, weights, wd, safe)) > 1e-3  # the zeroing is visible
 
 
-@pytest.mark.parametrize("pair_down", [False, True])
-def test_down_other_ranks_experts_add_nothing_on_any_mid(pair_down):
+@pytest.mark.parametrize("down", ["grouped", "pair", "pair sorted"])
+def test_down_other_ranks_experts_add_nothing_on_any_mid(down):
     """The down projection alone, on random (nonzero) mid rows: the per-slot terms of ids outside [0, E) are
     zero, the others equal the twin's (the gate/up zeros would hide a down kernel that read a clamped
-    expert)."""
+    expert); through the grouped kernel, the pair kernel, and the pair kernel taking the pairs in expert
+    order (sorted_down), which equals the unsorted one bit for bit."""
     ids_l = [[0, 7, 2], [4, 4, -1], [2, 0, 4]]
     _, _, wd, ids, _, mid, weights = _case(16, 256, 40, ids_l, 62)
-    cfg = moe_grouped.GroupedConfig(bn_dn=16, pairs_dn=2, pair_down=pair_down)
+    cfg = moe_grouped.GroupedConfig(bn_dn=16, pairs_dn=2, pair_down=down != "grouped")
     got = moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg, per_slot=True)  # [B, k, D]
+    if down == "pair sorted":
+        from dataclasses import replace
+
+        unsorted = got
+        cfg = replace(cfg, sorted_down=True)
+        got = moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg, per_slot=True)
+        assert torch.equal(got, unsorted)
     ok = (ids >= 0) & (ids < E)
     assert torch.equal(got[~ok], torch.zeros_like(got[~ok]))
     safe = torch.where(ok, ids, 0)
@@ -186,6 +197,8 @@ def test_bad_input_is_named():
         moe_grouped.GroupedConfig(prmt=True, smem=3)
     with pytest.raises(ValueError, match="pos_reg needs"):
         moe_grouped.GroupedConfig(prmt=True, grid16=True, pos_reg=True)
+    with pytest.raises(ValueError, match="lds needs"):
+        moe_grouped.GroupedConfig(prmt=True, sign_math=False, lds=True, smem=1)
 
 
 @pytest.mark.cuda

@@ -894,10 +894,11 @@ _WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "1") == "1"
 Q8_ROWS_WIDE: Q8RowsConfig | None = replace(Q8_ROWS, **Q8_ROWS_WIDE_TILE) if _WIDE else None
 # Up to 16 rows (BB 16) Q8_ROWS_NARROW where set: BN 32 at 2 warps, 2,112 programs (bench_q8.py --rows, B = 16
 # per step: 5.49 ms vs 6.11 at Q8_ROWS; B = 32 13.60: not there; whole B = 16 step 30.42 vs 30.95 ms, x1.017,
-# session 15). Off until the batched-vs-alone check has run with it (B = 16 sits at 1.86e-2 of its 2e-2 bar
-# with the 2-warp default); env DS4_Q8_ROWS_NARROW=1.
+# session 15). Session 16: the batched-vs-alone check with it (batch_check.py, B = 1 / 3 / 8 / 16) gives the
+# 2-warp default's figures (0 / 2.57e-4 / 7.60e-4 / 1.86e-2 of the logit std, every argmax equal), the B = 16
+# step 30.99 -> 30.51 ms (x1.016): on. Env DS4_Q8_ROWS_NARROW=0: off.
 Q8_ROWS_NARROW_TILE = {"bn": 32, "warps": 2, "target": 2112}
-_NARROW = os.environ.get("DS4_Q8_ROWS_NARROW", "0") == "1"
+_NARROW = os.environ.get("DS4_Q8_ROWS_NARROW", "1") == "1"
 Q8_ROWS_NARROW: Q8RowsConfig | None = replace(Q8_ROWS, **Q8_ROWS_NARROW_TILE) if _NARROW else None
 
 

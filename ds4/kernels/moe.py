@@ -414,6 +414,7 @@ def _iq2_q8k_block(
     DP4A: tl.constexpr,
     SIGN_MATH: tl.constexpr,
     GATHER: tl.constexpr,
+    LDS: tl.constexpr = False,
 ):
     """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g v per group 4 sb + l of IQ2_XXS super-block kt of rows
     wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
@@ -421,7 +422,7 @@ def _iq2_q8k_block(
     reduces once after its k loop (in-loop reductions cost barriers)."""
     idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)
     return _iq2_q8k_dot(
-        idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER
+        idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS
     )
 
 
@@ -489,8 +490,54 @@ def _spread_codes(c):
     return (x | (x << 2)) & 0x33333333
 
 
+# Why PTX: Triton has no shared-memory array that lives across a kernel (tl.gather re-stores its table and
+# puts two barriers at every call: GroupedConfig.smem), so the LDS mode declares one statically in PTX
+# (ptxas places it beside Triton's dynamic shared memory) and reads it with ld.shared: a warp's 32 lookups
+# cost the bank conflicts of one shared load instead of ~8 + ~4 L1 tag requests (session 14: the L1 tag
+# stage bounds the gate/up kernels). Words 0-255: iq2xxs_nibbles, 256-383: iq2_sign_nibbles, rest zero.
+_LDS_WORDS = tl.constexpr(512)
+
+
 @triton.jit
-def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr):
+def _lds_fill(nib, snib, PTX: tl.constexpr):
+    """Declare the kernel's static shared table (once: a scalar operand makes one asm statement a thread)
+    and copy both tables into it, then a barrier. Call once, at the top of the kernel, before any _lds.
+    PTX False (Triton's interpreter): nothing; _lds is then a global gather."""
+    if PTX:
+        tl.inline_asm_elementwise(
+            ".shared .align 16 .b32 ds4_iq2_tabs[512];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+        t = tl.arange(0, _LDS_WORDS)
+        v = tl.load(nib + t, mask=t < 256, other=0)
+        v |= tl.load(snib + (t - 256), mask=(t >= 256) & (t < 384), other=0)
+        tl.inline_asm_elementwise(
+            "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; st.shared.b32 [a], $2;"
+            " mov.u32 $0, 0; }", "=r,r,r", [t, v], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+        tl.debug_barrier()
+
+
+@triton.jit
+def _lds(nib, snib, i, SIGN: tl.constexpr, PTX: tl.constexpr):
+    """Word i of the grid nibbles (SIGN False) or of the sign nibbles (SIGN True): ld.shared from the table
+    _lds_fill put in shared memory; PTX False: a global gather from nib / snib."""
+    if PTX:
+        j = i.to(tl.int32) + 256 if SIGN else i.to(tl.int32)
+        w = tl.inline_asm_elementwise(
+            "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; ld.shared.b32 $0, [a]; }",
+            "=r,r", [j], dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        w = tl.load(snib + i) if SIGN else tl.load(nib + i)
+    return w
+
+
+@triton.jit
+def _prmt_words(
+    nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr,
+    LDS: tl.constexpr = False,
+):  # fmt: skip
     """(wlo, whi) signed grid bytes of IQ2_XXS groups (grid rows idx, sign indices si) by two byte
     permutes: nibble j of nib[idx] (iq2xxs_nibbles) is element j's magnitude code m (0 / 1 / 2), snib[si]
     (iq2_sign_nibbles) sets its bit 2 where KSIGNS[si] negates element j, so each selector nibble picks one
@@ -501,9 +548,12 @@ def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, 
     nib as int16 (iq2xxs_codes16, MoeConfig.prmt with grid16): half the table's 128-byte lines per gather
     (the gathers bound the L1 tag stage: session 14), the nibbles spread by _spread_codes. H200 (session
     14): B = 1 gate/up 26.8 vs 26.5 us, whole model 112.07 vs 111.72 tok/s, grouped B = 32 525.5 vs 521.7
-    us: no gain, off (env DS4_MOE_GRID16=1 with prmt on, DS4_MOE_GROUPED_GRID16=1)."""
+    us: no gain, off (env DS4_MOE_GRID16=1 with prmt on, DS4_MOE_GROUPED_GRID16=1). LDS: both tables read
+    from the kernel's static shared copy (_lds, after the kernel's _lds_fill)."""
     if nib.dtype.element_ty == tl.int16:  # MoeConfig.prmt + grid16: 512 B of codes, spread (6 ALU ops)
         w = _spread_codes(tl.load(nib + idx).to(tl.int32))
+    elif LDS:  # both tables from the kernel's static shared copy (_lds_fill)
+        w = _lds(nib, snib, idx, False, PTX)
     else:
         w = tl.load(nib + idx)
     # bytes 8, 25, 43, 0. As a constant, ptxas copies it from a uniform register before every PRMT (whose
@@ -519,7 +569,7 @@ def _prmt_words(nib, snib, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, 
         lo = w | _sign_nibbles(si & 15)
         hi = (w >> 16) | _sign_nibbles(((si >> 4) & 7) | (par << 3))
     else:
-        lo = w | tl.load(snib + si)
+        lo = w | (_lds(nib, snib, si, True, PTX) if LDS else tl.load(snib + si))
         hi = lo >> 16
     b = tl.full(lo.shape, _PRMT_NEG, tl.int32)  # bytes -8, -25, -43, 0: PRMT's immediate operand
     return _prmt(a, b, lo, PTX), _prmt(a, b, hi, PTX)
@@ -535,15 +585,16 @@ def _negate_by_bits(lo, hi, si):
 
 @triton.jit
 def _signed_words(
-    tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr = False
-):
+    tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr = False,
+    LDS: tl.constexpr = False,
+):  # fmt: skip
     """(wlo, whi) int32 signed grid bytes (elements 0-3 / 4-7) of IQ2_XXS groups with grid rows idx and sign
     indices si, from the launcher's tables (iq2_tables, whose dtypes pick the decode): nibbles and byte
     permutes (_prmt_words, PTX: as PTX; its sign nibbles computed with SIGN_MATH, else gathered from ksm),
     or magnitude words (_grid_words) negated by sign masks computed (SIGN_MATH) or gathered from ksm. The
     decode of the pair kernels and of the grouped ones."""
     if ksm.dtype.element_ty == tl.int32:  # MoeConfig.prmt: sign nibbles (grid nibbles or 16-bit codes)
-        wlo, whi = _prmt_words(tab, ksm, idx, si, SIGN_MATH, PTX, POS_REG)
+        wlo, whi = _prmt_words(tab, ksm, idx, si, SIGN_MATH, PTX, POS_REG, LDS)
     else:
         lo, hi = _grid_words(tab, idx)
         if SIGN_MATH:
@@ -557,13 +608,14 @@ def _signed_words(
 
 @triton.jit
 def _signed_words_sb(
-    tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr = False
-):
+    tab, ksm, idx, si, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr = False,
+    LDS: tl.constexpr = False,
+):  # fmt: skip
     """_signed_words of [BN, 8, 4] grid rows idx / sign indices si, gathered as [8, BN, 4] (sub-block first):
     a gather has no contiguity, so Triton lays it out by dimension order, and in this order its default
     layout is the one _iq2_load's contiguous runs take (see there): no conversion through shared memory."""
     wlo, whi = _signed_words(
-        tab, ksm, tl.permute(idx, (1, 0, 2)), tl.permute(si, (1, 0, 2)), SIGN_MATH, PTX, POS_REG
+        tab, ksm, tl.permute(idx, (1, 0, 2)), tl.permute(si, (1, 0, 2)), SIGN_MATH, PTX, POS_REG, LDS
     )
     return tl.permute(wlo, (1, 0, 2)), tl.permute(whi, (1, 0, 2))
 
@@ -586,6 +638,7 @@ def _iq2_q8k_dot(
     DP4A: tl.constexpr,
     SIGN_MATH: tl.constexpr,
     GATHER: tl.constexpr,
+    LDS: tl.constexpr = False,
 ):
     """_iq2_q8k_block on loaded weight bytes (_iq2_load: idx [BN, 8, 4], a1 [BN, 8, 1], d [BN])."""
     lg = tl.arange(0, 4)[None, None, :]
@@ -601,7 +654,7 @@ def _iq2_q8k_dot(
             wlo = _negate_bytes(lo, m.to(tl.int32))
             whi = _negate_bytes(hi, (m >> 32).to(tl.int32))
     else:  # one L1 gather per group (two with gathered masks); signed grid bytes shared by both planes
-        wlo, whi = _signed_words_sb(tab64, ksm, idx, si, SIGN_MATH, DP4A)
+        wlo, whi = _signed_words_sb(tab64, ksm, idx, si, SIGN_MATH, DP4A, False, LDS)
     dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
     if TERMS == 2:
         dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)
@@ -638,14 +691,17 @@ def _iq2_q8k_gate_up_kernel(
     SIGN_MATH: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     GATHER: tl.constexpr = False,
+    LDS: tl.constexpr = False,
 ):
     """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/8] int64: one group's 8
     int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel.
     PREFETCH: software pipelining, block kt + 1's loads issued before block kt's math (whose layout
     conversions put barriers that the loads would otherwise wait behind); SIGN_MATH: sign masks computed,
     not gathered (_iq2_sign_bits); GATHER: table lookups by tl.gather from register copies (shared memory on
-    the GPU) instead of global (L1) gathers."""
+    the GPU) instead of global (L1) gathers; LDS: the nibble tables from a static shared copy (_lds_fill)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    if LDS:
+        _lds_fill(tab64, ksm, DP4A)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -678,21 +734,21 @@ def _iq2_q8k_gate_up_kernel(
             xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n = _x_load(xo, xplane, xd, kn, nb, xg, TERMS)
             acc_g += _iq2_q8k_dot(
                 gi, ga, gdd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH,
-                GATHER,
+                GATHER, LDS,
             )  # fmt: skip
             acc_u += _iq2_q8k_dot(
                 ui, ua, udd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH,
-                GATHER,
+                GATHER, LDS,
             )  # fmt: skip
         else:  # the session-3 op order (the default's SASS unchanged): x, then gate's block, then up's
             xlo, xhi, x2lo, x2hi, dx = _x_load(xo, xplane, xd, kt, nb, xg, TERMS)
             acc_g += _iq2_q8k_block(
                 gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
-                SIGN_MATH, GATHER,
+                SIGN_MATH, GATHER, LDS,
             )  # fmt: skip
             acc_u += _iq2_q8k_block(
                 uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
-                SIGN_MATH, GATHER,
+                SIGN_MATH, GATHER, LDS,
             )  # fmt: skip
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
@@ -855,6 +911,8 @@ def _q2k_q8k_down_kernel(
     sum_ptr=None,
     cnt_ptr=None,
     n_slots=1,
+    order_ptr=None,
+    ORDER: tl.constexpr = False,
 ):
     """Q2_K down projection of one pair on its quantized mid row (xw [TERMS, pairs, F/4] int32 words, planes
     xplane = pairs F / 4 words apart; dx [pairs, F/256]); output as _down_kernel. Quant word 4c + jj (c =
@@ -863,10 +921,11 @@ def _q2k_q8k_down_kernel(
     FIXUP: partials go to out [S, k, B, D] instead, and the last of the S k programs of each (row, tile)
     (counters cnt_ptr [B, D tiles]) writes their sum, in (split, slot) order, to sum_ptr [B, D]. A pair
     whose expert id lies outside [0, E) (another rank's, under expert parallelism) reads nothing and
-    contributes zeros."""
+    contributes zeros. ORDER: program p computes pair order_ptr[p] (pairs sorted by expert: those sharing an
+    expert run back to back, the second reading its weights from L2)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
+    pair = tl.load(order_ptr + tl.program_id(1)) if ORDER else tl.program_id(1)
     pid_s = tl.program_id(2)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     live = (e >= 0) & (e < E)
@@ -1010,12 +1069,15 @@ class MoeConfig:
     fixup: bool = False  # int8 down: the sum over k slots / splits in the kernel (last program), no torch sum
     grid16: bool = False  # int8 IQ2_XXS: the grid as 16-bit codes (_grid_words; with prmt: _spread_codes)
     prmt: bool = False  # int8 IQ2_XXS: signed grid bytes by byte permutes from nibble tables (_prmt_words)
+    lds: bool = False  # int8 IQ2_XXS, prmt: the nibble tables from a static shared copy (_lds_fill, PTX)
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
             raise ValueError(f"MoeConfig.terms must be 1 or 2, got {self.terms}")
         if self.gather and (self.grid16 or self.prmt):
             raise ValueError("MoeConfig: gather excludes grid16 and prmt (one grid table)")
+        if self.lds and not (self.prmt and not self.grid16 and not self.gather):
+            raise ValueError("MoeConfig: lds needs the nibble tables (prmt, no grid16, no gather)")
 
 
 # Defaults for the decode kernels at B = 1 (6 pairs); tools/gpu/tune_decode.py times the alternatives.
@@ -1039,7 +1101,13 @@ _INT8 = os.environ.get("DS4_MOE_INT8", "1") == "1"
 _GRID16 = os.environ.get("DS4_MOE_GRID16", "0") == "1"
 _PRMT = os.environ.get("DS4_MOE_PRMT", "1") == "1"
 _SIGN_MATH = os.environ.get("DS4_MOE_SIGN_MATH", "0" if _PRMT else "1") == "1"
-_GATE_UP_INT8 = MoeConfig(bn=16, splits=1, int8=True, sign_math=_SIGN_MATH, grid16=_GRID16, prmt=_PRMT)
+# Session 16: MoeConfig.lds (the nibble tables in static shared memory, moe._lds_fill; bit-identical): B = 1
+# gate/up 26.7 vs 26.7 us (bench_moe.py --latest), whole model 112.04 vs 111.15 tok/s at 4k (ab_decode.py, two
+# rounds, x1.008: within the spread of such runs): off, env DS4_MOE_LDS=1.
+_LDS = _PRMT and not _GRID16 and os.environ.get("DS4_MOE_LDS", "0") == "1"
+_GATE_UP_INT8 = MoeConfig(
+    bn=16, splits=1, int8=True, sign_math=_SIGN_MATH, grid16=_GRID16, prmt=_PRMT, lds=_LDS
+)
 GATE_UP = _GATE_UP_INT8 if _INT8 else MoeConfig(bn=8, splits=1)
 DOWN = MoeConfig(bn=64, splits=1, int8=True) if _INT8 else MoeConfig(bn=32, splits=1)
 
@@ -1107,7 +1175,7 @@ def moe_gate_up(
             xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"], tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
             TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, PREFETCH=cfg.prefetch,
-            GATHER=cfg.gather, num_warps=cfg.warps,
+            GATHER=cfg.gather, LDS=cfg.lds, num_warps=cfg.warps,
             launch_pdl=PDL,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
@@ -1195,12 +1263,18 @@ def moe_down(
 
 
 def moe_down_slots(
-    mid: torch.Tensor, weights: torch.Tensor, wd: PackedWeight, ids: torch.Tensor, cfg: MoeConfig
+    mid: torch.Tensor,
+    weights: torch.Tensor,
+    wd: PackedWeight,
+    ids: torch.Tensor,
+    cfg: MoeConfig,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The int8 Q2_K pair kernel's per-slot terms [B, k, D] f32 = weights[b, j] * Wd[ids[b, j]] @ mid[b, j]
     in one k-split, zeros where ids[b, j] lies outside [0, E): the batched step's down projection
     (moe_grouped.GroupedConfig.pair_down). mid [B, k, F] f32 on a Triton device, wd a Q2_K stack; the
-    caller (moe_grouped.moe_down_grouped) has checked the shapes."""
+    caller (moe_grouped.moe_down_grouped) has checked the shapes. order [B k] int32 (a permutation of the
+    flat pair indices, moe_grouped.ExpertRuns.order): the programs take the pairs in that order."""
     B, k, F = mid.shape
     E, D = wd.shape[0], wd.N
     xq, dx = quantize_q8k(mid.reshape(B * k, F), cfg.terms)
@@ -1209,7 +1283,8 @@ def moe_down_slots(
     _q2k_q8k_down_kernel[(triton.cdiv(D, cfg.bn), B * k, 1)](
         xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids,
         weights.float().contiguous(), part, D, F, E, B * k * F // 4, F // 256, BN=cfg.bn, TERMS=cfg.terms,
-        DP4A=_dp4a(mid, cfg), num_warps=cfg.warps, launch_pdl=PDL,
+        DP4A=_dp4a(mid, cfg), order_ptr=order, ORDER=order is not None, num_warps=cfg.warps,
+        launch_pdl=PDL,
     )  # fmt: skip
     return part
 

@@ -55,6 +55,7 @@ from .moe import (
     _dot4,
     _dot16,
     _iq2_load,
+    _lds_fill,
     _pick,
     _prmt,
     _q2k_block,
@@ -74,20 +75,20 @@ MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up 
 @triton.jit
 def _iq2_decode(
     qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr,
-    nib_r=None, snib_r=None, SMEM: tl.constexpr = 0,
+    nib_r=None, snib_r=None, SMEM: tl.constexpr = 0, LDS: tl.constexpr = False,
 ):  # fmt: skip
     """IQ2_XXS super-block kt of rows wrow [BN] (sg: the sub-block words as bytes), decoded once: (wlo, whi
     [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8] int32 =
     2 ls + 1 per sub-block, d [BN] f32), as moe.py's _iq2_q8k_block decodes them (moe._signed_words: tab64 /
     ksm the launcher's tables, SIGN_MATH the computed sign masks, PTX the byte permutes as PTX, POS_REG as
-    GroupedConfig.pos_reg)."""
+    GroupedConfig.pos_reg, LDS the static shared tables of GroupedConfig.lds)."""
     idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)  # its layout note: why the loads look as they do
     lg = tl.arange(0, 4)[None, None, :]
     si = (a1 >> (7 * lg)) & 127
     if SMEM:  # the tables as register copies, looked up by tl.gather (GroupedConfig.smem)
         wlo, whi = _prmt_smem(nib_r, snib_r, idx, si, PTX)
     else:
-        wlo, whi = _signed_words_sb(tab64, ksm, idx, si, SIGN_MATH, PTX, POS_REG)
+        wlo, whi = _signed_words_sb(tab64, ksm, idx, si, SIGN_MATH, PTX, POS_REG, LDS)
     a1w = tl.reshape(a1, (wrow.shape[0], 8))
     return wlo, whi, 2 * ((a1w >> 28) & 15) + 1, d
 
@@ -227,11 +228,14 @@ def _gate_up_grouped_kernel(
     CHAIN: tl.constexpr = False,
     POS_REG: tl.constexpr = False,
     SMEM: tl.constexpr = 0,
+    LDS: tl.constexpr = False,
 ):
     """Gate and up of up to PT pairs of one expert (sorted positions p ..) on the quantized input (xw
     [TERMS, B, K/8] int64, planes xplane words apart; dx [B, K/256]) -> mid rows out [P, F] (flat pair
     index), the clamped SwiGLU; zeros for the sentinel expert."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    if LDS:
+        _lds_fill(tab64, ksm, DP4A)
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, PT)
@@ -264,10 +268,10 @@ def _gate_up_grouped_kernel(
         snib_r = None
     for kt in range(0, tl.where(live, nb, 0)):
         wl, wh, ls, d = _iq2_decode(
-            gq, gs, gd, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM
+            gq, gs, gd, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM, LDS
         )
         vl, vh, ms, c = _iq2_decode(
-            uq, us, ud, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM
+            uq, us, ud, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM, LDS
         )
         g0 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
         u0 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
@@ -455,8 +459,10 @@ class GroupedConfig:
     chain: bool = False  # gate/up: one dp4a chain per sub-block and plane (_iq2_pair)
     pos_reg: bool = False  # gate/up, prmt: the permutes' positive word loaded, not a constant (_prmt_words)
     pair_down: bool = False  # down by the pair kernel (moe.moe_down_slots at moe.DOWN's tile), not grouped
+    sorted_down: bool = False  # pair_down: the pairs taken in expert order (ExpertRuns.order: L2 reuse)
     smem: int = 0  # gate/up, prmt: the tables looked up by tl.gather (shared memory, _prmt_smem): 1 two
     # lookups per group, 2 one joined lookup in a [512] table (half the table stores and barriers)
+    lds: bool = False  # gate/up, prmt: the nibble tables from a static shared copy (moe._lds_fill, PTX)
 
     def __post_init__(self) -> None:
         for name in ("pairs", "pairs_dn"):
@@ -468,6 +474,8 @@ class GroupedConfig:
             raise ValueError(f"GroupedConfig.smem must be 0, 1 or 2, got {self.smem}")
         if self.smem and not (self.prmt and not self.grid16 and not self.sign_math):
             raise ValueError("GroupedConfig: smem needs the nibble tables (prmt, no grid16, no sign_math)")
+        if self.lds and not (self.prmt and not self.grid16 and not self.smem and not self.pos_reg):
+            raise ValueError("GroupedConfig: lds needs the nibble tables (prmt; no grid16, smem, pos_reg)")
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
 
@@ -489,15 +497,23 @@ class GroupedConfig:
 # 540.9: sign_math off (env DS4_MOE_GROUPED_SIGN_MATH=1: on). The pair kernel's down (moe.DOWN, 56
 # registers) beats the grouped one (bn 128 / 2 pairs, 153 registers, 18 % occupancy) at every B: 57.4 /
 # 103.2 / 193.1 vs 79.5 / 134.0 / 232.5 us: pair_down on (env DS4_MOE_GROUPED_PAIR_DOWN=0: off).
+# Session 16: the pair down kernel taking the pairs in expert order (sorted_down: a repeated expert's second
+# pass reads its weights from L2; bit-identical), whole step (batch_check.py, 8k) B = 32 50.51 -> 49.86 ms
+# (x1.013), B = 16 30.99 -> 31.12 (x0.996, within the spread): on (env DS4_MOE_GROUPED_SORTED_DOWN=0: off).
+# The IQ2_XXS nibble tables in static shared memory (lds, moe._lds_fill; bit-identical): per layer B = 32
+# 523.0 vs 524.3 us, step 50.51 vs 50.37 ms: off (env DS4_MOE_GROUPED_LDS=1). The k loop is issue-bound:
+# ~470 instructions a thread per super-block step at 4 pairs (128 dp4a), ~4.7 a weight at 1.5 pairs a run.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 CONFIG = GroupedConfig(
     sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0") == "1",
     pair_down=os.environ.get("DS4_MOE_GROUPED_PAIR_DOWN", "1") == "1",
+    sorted_down=os.environ.get("DS4_MOE_GROUPED_SORTED_DOWN", "1") == "1",
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=_PRMT,
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",
     pos_reg=os.environ.get("DS4_MOE_GROUPED_POS_REG", "0") == "1",
     smem=int(os.environ.get("DS4_MOE_GROUPED_SMEM", "0")),
+    lds=_PRMT and os.environ.get("DS4_MOE_GROUPED_LDS", "0") == "1",
 )
 
 
@@ -641,8 +657,8 @@ def moe_gate_up_grouped(
         *iq2_tables(x.device, cfg.grid16, cfg.prmt),
         runs.order, runs.eid, runs.offsets, out, k, B * k, E, F, K, B * K // 8, float(clamp),
         BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg),
-        SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, SMEM=cfg.smem, num_warps=cfg.warps,
-        launch_pdl=PDL,
+        SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, SMEM=cfg.smem, LDS=cfg.lds,
+        num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     return out
 
@@ -699,7 +715,8 @@ def moe_down_grouped(
     if cfg.pair_down:
         mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped").view(B, k, F)
         pair = replace(DOWN, int8=True, terms=cfg.terms, dp4a=cfg.dp4a)  # the pair kernel's tile
-        part = moe_down_slots(mid, weights, wd, ids, pair)
+        order = (runs or expert_runs(ids, E)).order if cfg.sorted_down else None
+        part = moe_down_slots(mid, weights, wd, ids, pair, order)
         return part if per_slot else part.sum(1)
     runs = runs or expert_runs(ids, E)
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped")

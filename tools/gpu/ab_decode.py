@@ -33,6 +33,7 @@ Variants (each the other side of an engine default; env names in brackets):
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
   moe down bn32   moe.DOWN.bn = 32
+  moe lds (math)  moe.GATE_UP.lds (DS4_MOE_LDS=1): the nibble tables in static shared memory (+ sign math)
   q8 flat         matvec.Q8_MV1.flat = 660 (1056: "q8 flat 1056") long-lived programs on the large matrices
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
@@ -76,6 +77,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "moe bn8": {(moe, "GATE_UP"): replace(moe.GATE_UP, bn=8)},
     "moe s2": {(moe, "GATE_UP"): replace(moe.GATE_UP, splits=2)},
     "moe down bn32": {(moe, "DOWN"): replace(moe.DOWN, bn=32)},
+    "moe lds": {(moe, "GATE_UP"): replace(moe.GATE_UP, lds=True)},
+    "moe lds math": {(moe, "GATE_UP"): replace(moe.GATE_UP, lds=True, sign_math=True)},
     "no step memo": {(layer, "STEP_MEMO"): False},
     "hc scalar": {(fused, "HC_FINISH_SCALAR"): True},
     "topk kernel": {(layer, "TOPK_KERNEL"): True},

@@ -137,10 +137,18 @@ def _variants() -> dict[str, dict]:
         "grouped prmt16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, grid16=True)},
         "grouped smem1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=1)},
         "grouped smem2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2)},
+        "grouped lds": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True)},
+        "grouped lds math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, sign_math=True)},
+        "grouped unsorted down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sorted_down=False)},
+        "pair down bn128": {(moe_grouped, "DOWN"): replace(moe_grouped.DOWN, bn=128)},
+        "pair down bn32": {(moe_grouped, "DOWN"): replace(moe_grouped.DOWN, bn=32)},
+        "grouped pt2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pairs=2)},
+        "grouped bn32 w8": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_gu=32, warps=8)},
         "rows w4": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, warps=4)},  # wgmma (before session 15)
         "rows wide": {(matvec, "Q8_ROWS_WIDE"): replace(matvec.Q8_ROWS, **matvec.Q8_ROWS_WIDE_TILE)},
         "rows no wide": {(matvec, "Q8_ROWS_WIDE"): None},
         "rows narrow": {(matvec, "Q8_ROWS_NARROW"): replace(matvec.Q8_ROWS, **matvec.Q8_ROWS_NARROW_TILE)},
+        "rows no narrow": {(matvec, "Q8_ROWS_NARROW"): None},
         "rows int8 + mv1 int8": {
             (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
             (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE),

@@ -60,6 +60,7 @@ def label(cfg: moe.MoeConfig) -> str:
         + (" smem" if cfg.gather else "")
         + (" g16" if cfg.grid16 else "")
         + (" prmt" if cfg.prmt else "")
+        + (" lds" if cfg.lds else "")
         + ("" if cfg.dp4a else " int32")
     )
     return f"int8 bn{cfg.bn} w{cfg.warps}{extra} t{cfg.terms}"
@@ -102,6 +103,9 @@ GU_NEW = [
     _new(bn=32, warps=8, prmt=True),
     _new(bn=16, prmt=True, grid16=True),  # session 14: the permutes from the 16-bit codes (512 B table)
     _new(bn=16, prmt=True, grid16=True, sign_math=True),
+    _new(bn=16, prmt=True, lds=True),  # session 16: both nibble tables in static shared memory (ld.shared)
+    _new(bn=16, prmt=True, lds=True, sign_math=True),
+    _new(bn=8, prmt=True, lds=True),
 ]
 DN_NEW = [
     _new(bn=64, prefetch=True),
@@ -128,11 +132,11 @@ _GU_DEF, _DN_DEF = replace(moe.GATE_UP, int8=True), replace(moe.DOWN, int8=True)
 GU_QUICK = [0, 1, 2, 3, 5, 6, 11, 12, 20, 21]  # pf, math, smem, smem math, smem math pf, bn8 pf, w8 pf,
 # w8 smem pf, prmt g16 (masks / math)
 DN_QUICK = [0, 1, 3, 6, 7, 8]  # bn64 pf, bn32 pf, bn64 s2, bn64 w8 pf, bn64 fix, bn64 pf fix
-# --latest (session 15): more programs for the latency-bound B <= 4 launches (768 gate/up programs at B = 1:
-# 36 % occupancy, long-scoreboard stalls 69 %; Nsight Compute, session 14) with the default decode (prmt)
-GU_LATEST = [_new(bn=8, prmt=True), _new(bn=16, splits=2, prmt=True), _new(bn=8, splits=2, prmt=True)]
-GU_LATEST += [_new(bn=4, prmt=True), _new(bn=16, warps=2, prmt=True)]
-DN_LATEST = [_new(bn=32), _new(bn=64, splits=2), _new(bn=32, splits=2), _new(bn=16)]
+# --latest (session 16): the nibble tables in static shared memory (MoeConfig.lds) at the default tile and
+# at bn 8 (beside bn 8 without them); session 15's tiles with more programs all lost (BENCHMARKS.md)
+GU_LATEST = [_new(bn=16, prmt=True, lds=True), _new(bn=16, prmt=True, lds=True, sign_math=True)]
+GU_LATEST += [_new(bn=8, prmt=True, lds=True), _new(bn=8, prmt=True)]
+DN_LATEST: list[moe.MoeConfig] = []
 if "--latest" in sys.argv:
     QUICK, BATCHES = True, (1, 4)
     GU = [("default " + label(_GU_DEF), _GU_DEF)] + [(label(c), c) for c in GU_LATEST]
@@ -357,7 +361,7 @@ def _int8_runs(quick: bool) -> list[tuple]:
     runs = []
     for c in gu:
         consts = {"BN": c.bn, "CLAMP": True, "SPLIT": c.splits > 1, "TERMS": c.terms, "DP4A": c.dp4a}
-        consts |= {"SIGN_MATH": c.sign_math, "PREFETCH": c.prefetch, "GATHER": c.gather}
+        consts |= {"SIGN_MATH": c.sign_math, "PREFETCH": c.prefetch, "GATHER": c.gather, "LDS": c.lds}
         weights = 2 * c.bn * 256
         sig = gu_sig | {"tab64": "*i16"} if c.grid16 else gu_sig
         sig = sig | {"tab64": "*i16" if c.grid16 else "*i32", "ksm": "*i32"} if c.prmt else sig

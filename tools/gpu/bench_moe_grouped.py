@@ -65,6 +65,8 @@ GU_VARIANTS = [
     GroupedConfig(prmt=True, grid16=True, sign_math=True),
     GroupedConfig(prmt=True, sign_math=False, smem=1),  # session 15: the tables by tl.gather (shared)
     GroupedConfig(prmt=True, sign_math=False, smem=2),  # one joined lookup
+    GroupedConfig(prmt=True, sign_math=False, lds=True),  # session 16: static shared tables (ld.shared)
+    GroupedConfig(prmt=True, sign_math=True, lds=True),  # the grid nibbles shared, the sign ones computed
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -343,13 +345,14 @@ def compile_only() -> None:
     variants = [(True, "", False, False), (False, "g16", False, False), (True, "g16", False, False)]
     variants += [(False, "prmt", c, p) for c in (False, True) for p in (False, True)] + [(True, "prmt", 0, 0)]
     variants += [(False, "prmt16", False, False), (True, "prmt16", False, False), (False, "prmt", 0, "smem")]
-    variants += [(False, "prmt", 0, "smem2")]
+    variants += [(False, "prmt", 0, "smem2"), (False, "prmt", 0, "lds"), (True, "prmt", 0, "lds")]
     for math, tab, chain, preg in variants:
         consts = {"BN": 16, "PT": 4, "CLAMP": True, "TERMS": 2, "DP4A": True, "SIGN_MATH": math}
         smem = {"smem": 1, "smem2": 2}.get(preg, 0)
-        consts |= {"CHAIN": bool(chain), "POS_REG": preg is True, "SMEM": smem}
+        consts |= {"CHAIN": bool(chain), "POS_REG": preg is True, "SMEM": smem, "LDS": preg == "lds"}
         name = "gu bn16 pt4 w4 t2" + " math" * math + f" {tab}" * bool(tab)
-        name += " chain" * chain + " preg" * (preg is True) + f" {preg}" * str(preg).startswith("smem")
+        name += " chain" * chain + " preg" * (preg is True)
+        name += f" {preg}" * str(preg).startswith(("smem", "lds"))
         runs.append((name, moe_grouped._gate_up_grouped_kernel, {**_GU_SIG, **tables[tab]}, consts, 4))
     for bn, pt, w in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (64, 2, 4)):
         for t in (2, 1):
