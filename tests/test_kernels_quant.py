@@ -279,7 +279,7 @@ def test_q8_rows_int8_equals_its_twin(b, n, k, groups):
 
 
 @pytest.mark.parametrize(
-    ("b", "n", "k"), [(9, 64, 256), (16, 70, 512), (33, 128, 1024), (64, 64, 256)], ids=str
+    ("b", "n", "k"), [(3, 64, 256), (16, 70, 512), (33, 128, 1024), (64, 64, 256)], ids=str
 )
 def test_q8_rows_f32_accurate(b, n, k):
     w = packed(GGMLType.Q8_0, (n, k), seed=50 + b)

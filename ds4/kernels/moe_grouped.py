@@ -460,6 +460,7 @@ class GroupedConfig:
     pos_reg: bool = False  # gate/up, prmt: the permutes' positive word loaded, not a constant (_prmt_words)
     pair_down: bool = False  # down by the pair kernel (moe.moe_down_slots at moe.DOWN's tile), not grouped
     sorted_down: bool = False  # pair_down: the pairs taken in expert order (ExpertRuns.order: L2 reuse)
+    bn_pair_dn: int = 64  # pair_down: output rows per program of the pair kernel (moe.DOWN's is for B = 1)
     smem: int = 0  # gate/up, prmt: the tables looked up by tl.gather (shared memory, _prmt_smem): 1 two
     # lookups per group, 2 one joined lookup in a [512] table (half the table stores and barriers)
     lds: bool = False  # gate/up, prmt: the nibble tables from a static shared copy (moe._lds_fill, PTX)
@@ -500,6 +501,8 @@ class GroupedConfig:
 # Session 16: the pair down kernel taking the pairs in expert order (sorted_down: a repeated expert's second
 # pass reads its weights from L2; bit-identical), whole step (batch_check.py, 8k) B = 32 50.51 -> 49.86 ms
 # (x1.013), B = 16 30.99 -> 31.12 (x0.996, within the spread): on (env DS4_MOE_GROUPED_SORTED_DOWN=0: off).
+# Its tile (bn_pair_dn) at 128 rows instead of moe.DOWN's 64 (B = 1's): B = 16 / 32 / 64 steps x1.002 /
+# x1.011 / x1.019 (x1.005 / x1.018 in a second call); bn 256, bn 128 at 8 warps: <= x1.003; bn 32: x0.91-0.93.
 # The IQ2_XXS nibble tables in static shared memory (lds, moe._lds_fill; bit-identical): per layer B = 32
 # 523.0 vs 524.3 us, step 50.51 vs 50.37 ms: off (env DS4_MOE_GROUPED_LDS=1). The k loop is issue-bound:
 # ~470 instructions a thread per super-block step at 4 pairs (128 dp4a), ~4.7 a weight at 1.5 pairs a run.
@@ -508,6 +511,7 @@ CONFIG = GroupedConfig(
     sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0") == "1",
     pair_down=os.environ.get("DS4_MOE_GROUPED_PAIR_DOWN", "1") == "1",
     sorted_down=os.environ.get("DS4_MOE_GROUPED_SORTED_DOWN", "1") == "1",
+    bn_pair_dn=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN", "128")),
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=_PRMT,
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",
@@ -714,7 +718,7 @@ def moe_down_grouped(
         return part if per_slot else part.sum(1)
     if cfg.pair_down:
         mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped").view(B, k, F)
-        pair = replace(DOWN, int8=True, terms=cfg.terms, dp4a=cfg.dp4a)  # the pair kernel's tile
+        pair = replace(DOWN, bn=cfg.bn_pair_dn, int8=True, terms=cfg.terms, dp4a=cfg.dp4a)
         order = (runs or expert_runs(ids, E)).order if cfg.sorted_down else None
         part = moe_down_slots(mid, weights, wd, ids, pair, order)
         return part if per_slot else part.sum(1)

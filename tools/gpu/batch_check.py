@@ -140,8 +140,11 @@ def _variants() -> dict[str, dict]:
         "grouped lds": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True)},
         "grouped lds math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, sign_math=True)},
         "grouped unsorted down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sorted_down=False)},
-        "pair down bn128": {(moe_grouped, "DOWN"): replace(moe_grouped.DOWN, bn=128)},
-        "pair down bn32": {(moe_grouped, "DOWN"): replace(moe_grouped.DOWN, bn=32)},
+        "side rows from 2": {(layer, "DECODE_ROWS"): 1},  # no merged side matrices above 1 row
+        "q8 rows from 3": {(matvec, "Q8_ROWS_FROM"): 3},  # matvec.q8_rows instead of _qmv_kernel
+        "q8 rows from 5": {(matvec, "Q8_ROWS_FROM"): 5},
+        "grouped from 8": {(batch, "MOE_GROUPED_MIN_ROWS"): 8},  # the int8 grouped experts from 8 rows
+        "pair down bn64": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_pair_dn=64)},
         "grouped pt2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pairs=2)},
         "grouped bn32 w8": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_gu=32, warps=8)},
         "rows w4": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, warps=4)},  # wgmma (before session 15)

@@ -3,7 +3,7 @@
 #   part a: the IQ2_XXS nibble tables in static shared memory (moe._lds_fill / _lds: PTX-declared, read
 #           by ld.shared; MoeConfig.lds, GroupedConfig.lds): GPU tests of the pair and grouped kernels,
 #           bench_moe --latest (B = 1 / 4), bench_moe_grouped --latest, the B = 16 / 32 step, ab_decode.
-# Usage: bash tools/gpu/session16.sh a|b|c|d
+# Usage: bash tools/gpu/session16.sh a|b|c|d|e|f
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
@@ -34,9 +34,31 @@ if [ "$1" = c ]; then
   TAIL=12 run bench32 "$(left)" python3 -m ds4.bench --synthetic flash-q2 --parallel 32 --ctx-start 8192 \
     --ctx-max 8192 -n 32 --ttft-prompt 1024 --prefill-budget 512
 fi
-# part d: tiles of the batched MoE at B = 32 / 64: the pair down kernel at bn 128 / 32 (moe.DOWN is bn 64,
-#         tuned at B = 1), the grouped gate/up at 2 pairs a program and at bn 32 / 8 warps.
+# part d: tiles of the batched MoE at B = 32 / 64: the pair down kernel's tile (as run: bn 128 / 32 / 256,
+#         bn 128 / 256 at 8 warps against bn 64; bn 128 is GroupedConfig.bn_pair_dn now, "pair down bn64"
+#         the old side), the grouped gate/up at 2 pairs a program and at bn 32 / 8 warps.
 if [ "$1" = d ]; then
-  TAIL=14 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 32,64 --steps 16 \
-    --variants "default,pair down bn128,pair down bn32,grouped pt2,grouped bn32 w8"
+  TAIL=14 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 16,32,64 --steps 16 \
+    --variants "default,pair down bn64,grouped pt2,grouped bn32 w8"
+fi
+# part e: the batched-vs-alone check and the grouped tests with the pair down tile at 128 rows.
+if [ "$1" = e ]; then
+  TAIL=4 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py
+  TAIL=14 run check "$(left)" python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
+fi
+# part f (as run, inline commands on the warm machine): the pair down tile at 128 rows; ds4-bench at 32
+#         streams again; the int8 grouped experts from 8 rows; a B = 8 profile (profile_batch.py 8: the
+#         CUDA-core Q8_0 tiles, _qmv_kernel, took 12.3 of 34.5 ms); q8_rows from 3 / 5 rows instead of 9
+#         (matvec.Q8_ROWS_FROM, now 3) and the batched-vs-alone check with it.
+if [ "$1" = f ]; then
+  TAIL=16 run step 280 python3 tools/gpu/batch_check.py --skip-check --batches 16,32,64 --steps 16 \
+    --variants "default,pair down bn64"
+  TAIL=6 run bench32 190 python3 -m ds4.bench --synthetic flash-q2 --parallel 32 --ctx-start 8192 \
+    --ctx-max 8192 -n 32 --ttft-prompt 1024 --prefill-budget 512
+  TAIL=8 run step8 190 python3 tools/gpu/batch_check.py --skip-check --batches 8,12 --steps 16 \
+    --variants "default,grouped from 8"
+  TAIL=45 run profile8 180 env DS4_PDL=0 DS4_Q8_ROWS_FROM=9 python3 tools/gpu/profile_batch.py 8 8192
+  TAIL=10 run rows_from 115 python3 tools/gpu/batch_check.py --skip-check --batches 4,8 --steps 16 \
+    --variants "default,q8 rows from 5,side rows from 2"
+  TAIL=14 run check "$(left)" python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
 fi
