@@ -2,9 +2,10 @@
 
 Each module's run is a CPU-bound subprocess (10+ minutes in all on a 2-core machine) that shares nothing with
 the main test process, which keeps torch to one thread (conftest._torch_one_thread): so the runs start when
-collection ends (conftest.pytest_collection_finish), one at a time on the other core, and each
-test_kernels_under_interpreter item only collects its module's result. Whatever is still running when the
-session ends is killed.
+collection ends (conftest.pytest_collection_finish), one at a time on the other core. The
+test_kernels_under_interpreter items run last (conftest.pytest_collection_modifyitems), when the main process
+has nothing else to do: each runs its module itself if the worker has not started it yet (both cores busy
+to the end), else collects the worker's result. Whatever is still running when the session ends is killed.
 """
 
 from __future__ import annotations
@@ -60,9 +61,15 @@ def start(modules: list[str]) -> None:
 
 
 def result(module: str) -> tuple[int, str]:
-    """The module's (return code, output), running it now if it was not queued."""
+    """The module's (return code, output): run here if still waiting in the worker's queue, else the
+    worker's."""
     start([module])
-    return _futures[module].result()
+    fut = _futures[module]
+    if fut.cancel():  # not started: the caller is idle, so it runs the module beside the worker
+        done: Future = Future()
+        done.set_result(_run(module))
+        _futures[module] = fut = done
+    return fut.result()
 
 
 def stop() -> None:

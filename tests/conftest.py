@@ -85,7 +85,13 @@ def cuda_available() -> bool:
         return False
 
 
+def _module_name(item) -> str:
+    return getattr(getattr(item, "module", None), "__name__", "")
+
+
 def pytest_collection_modifyitems(config, items):
+    # the interpreter-run results last: the main process then runs the unstarted ones itself (_interp_runner)
+    items.sort(key=lambda it: _module_name(it) == "test_kernels_interpreted")  # stable: the rest keep order
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: GPU-only test, run on the device machine")

@@ -1222,7 +1222,7 @@ def moe_down(
         if int8:
             return ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)
         return ref.moe_down(mid, weights, wd, ids)
-    E, D = wd.shape[0], wd.N
+    D = wd.N
     mid = prep_x(mid.reshape(B * k, F), F, "moe_down")
     if B * k == 0:
         return torch.zeros(B, D, dtype=torch.float32, device=mid.device)
@@ -1232,21 +1232,13 @@ def moe_down(
     grid = (triton.cdiv(D, cfg.bn), B * k, splits)
     rw = weights.float().contiguous()
     if int8:
-        xq, dx = quantize_q8k(mid, cfg.terms)
-        w = wd.data
-        args = (xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, D, F, E)
-        kw = dict(
-            BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg), PREFETCH=cfg.prefetch, num_warps=cfg.warps,
-            launch_pdl=PDL,
-        )  # fmt: skip
         cnt = _split_counters(mid.device, B * grid[0]) if cfg.fixup else None
         if cnt is not None:  # part's memory read as [S, k, B, D]; the kernel sums it into out
             out = torch.empty(B, D, dtype=torch.float32, device=mid.device)
-            _q2k_q8k_down_kernel[grid](
-                *args, B * k * F // 4, per, **kw, FIXUP=True, sum_ptr=out, cnt_ptr=cnt, n_slots=k
-            )
+            fix = dict(FIXUP=True, sum_ptr=out, cnt_ptr=cnt, n_slots=k)
+            _q2k_int8_launch(mid, rw, wd, ids, part, grid, per, cfg, **fix)
             return out
-        _q2k_q8k_down_kernel[grid](*args, B * k * F // 4, per, **kw)
+        _q2k_int8_launch(mid, rw, wd, ids, part, grid, per, cfg)
     elif wd.qtype == GGMLType.Q2_K and cfg.fast:
         w = wd.data
         _q2k_down_kernel[grid](
@@ -1276,17 +1268,26 @@ def moe_down_slots(
     caller (moe_grouped.moe_down_grouped) has checked the shapes. order [B k] int32 (a permutation of the
     flat pair indices, moe_grouped.ExpertRuns.order): the programs take the pairs in that order."""
     B, k, F = mid.shape
-    E, D = wd.shape[0], wd.N
-    xq, dx = quantize_q8k(mid.reshape(B * k, F), cfg.terms)
-    part = torch.empty(B, k, D, dtype=torch.float32, device=mid.device)
-    w, ids = wd.data, ids.to(torch.int32).contiguous()
-    _q2k_q8k_down_kernel[(triton.cdiv(D, cfg.bn), B * k, 1)](
-        xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids,
-        weights.float().contiguous(), part, D, F, E, B * k * F // 4, F // 256, BN=cfg.bn, TERMS=cfg.terms,
-        DP4A=_dp4a(mid, cfg), order_ptr=order, ORDER=order is not None, num_warps=cfg.warps,
-        launch_pdl=PDL,
-    )  # fmt: skip
+    part = torch.empty(B, k, wd.N, dtype=torch.float32, device=mid.device)
+    grid = (triton.cdiv(wd.N, cfg.bn), B * k, 1)
+    ids, rw = ids.to(torch.int32).contiguous(), weights.float().contiguous()
+    by_order = dict(order_ptr=order, ORDER=order is not None)
+    _q2k_int8_launch(mid.reshape(B * k, F), rw, wd, ids, part, grid, F // 256, cfg, **by_order)
     return part
+
+
+def _q2k_int8_launch(mid, rw, wd: PackedWeight, ids, part, grid, per: int, cfg: MoeConfig, **extra) -> None:
+    """The int8 Q2_K down kernel over the P flat pairs of mid [P, F] (ids, rw [P] int32 / f32 in pair order)
+    into part, on grid (D tiles, P, k-splits of per super-blocks): moe_down's and moe_down_slots' launch
+    (after mid's Q8_K quantization). extra: the kernel's FIXUP or ORDER arguments."""
+    P, F = mid.shape
+    xq, dx = quantize_q8k(mid, cfg.terms)
+    w = wd.data
+    _q2k_q8k_down_kernel[grid](
+        xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, wd.N, F,
+        wd.shape[0], P * F // 4, per, BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg),
+        PREFETCH=cfg.prefetch, num_warps=cfg.warps, launch_pdl=PDL, **extra,
+    )  # fmt: skip
 
 
 def group_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
