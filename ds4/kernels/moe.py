@@ -493,8 +493,10 @@ def _spread_codes(c):
 # Why PTX: Triton has no shared-memory array that lives across a kernel (tl.gather re-stores its table and
 # puts two barriers at every call: GroupedConfig.smem), so the LDS mode declares one statically in PTX
 # (ptxas places it beside Triton's dynamic shared memory) and reads it with ld.shared: a warp's 32 lookups
-# cost the bank conflicts of one shared load instead of ~8 + ~4 L1 tag requests (session 14: the L1 tag
-# stage bounds the gate/up kernels). Words 0-255: iq2xxs_nibbles, 256-383: iq2_sign_nibbles, rest zero.
+# cost the bank conflicts of one shared load instead of ~8 + ~4 L1 tag requests. Session 16: bit-identical
+# but no faster (MoeConfig.lds / GroupedConfig.lds, off): since session 14's coalesced loads the gate/up
+# loops are issue-bound, not L1-bound. Words 0-255: iq2xxs_nibbles, 256-383: iq2_sign_nibbles, rest zero
+# (the array size in _lds_fill's PTX is this constant's value).
 _LDS_WORDS = tl.constexpr(512)
 
 
