@@ -141,8 +141,9 @@ def _variants() -> dict[str, dict]:
         "grouped lds math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, sign_math=True)},
         "grouped unsorted down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sorted_down=False)},
         "side rows from 2": {(layer, "DECODE_ROWS"): 1},  # no merged side matrices above 1 row
-        "q8 rows from 3": {(matvec, "Q8_ROWS_FROM"): 3},  # matvec.q8_rows instead of _qmv_kernel
+        "q8 rows from 2": {(matvec, "Q8_ROWS_FROM"): 2},  # matvec.q8_rows instead of _qmv_kernel (from 3)
         "q8 rows from 5": {(matvec, "Q8_ROWS_FROM"): 5},
+        "q8 rows from 9": {(matvec, "Q8_ROWS_FROM"): 9},  # before session 16
         "grouped from 8": {(batch, "MOE_GROUPED_MIN_ROWS"): 8},  # the int8 grouped experts from 8 rows
         "pair down bn64": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_pair_dn=64)},
         "grouped pt2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pairs=2)},

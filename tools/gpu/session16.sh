@@ -49,7 +49,8 @@ fi
 # part f (as run, inline commands on the warm machine): the pair down tile at 128 rows; ds4-bench at 32
 #         streams again; the int8 grouped experts from 8 rows; a B = 8 profile (profile_batch.py 8: the
 #         CUDA-core Q8_0 tiles, _qmv_kernel, took 12.3 of 34.5 ms); q8_rows from 3 / 5 rows instead of 9
-#         (matvec.Q8_ROWS_FROM, now 3) and the batched-vs-alone check with it.
+#         (matvec.Q8_ROWS_FROM, now 3; as run, "q8 rows from 3" against the default 9) and the
+#         batched-vs-alone check with it.
 if [ "$1" = f ]; then
   TAIL=16 run step 280 python3 tools/gpu/batch_check.py --skip-check --batches 16,32,64 --steps 16 \
     --variants "default,pair down bn64"
@@ -59,6 +60,6 @@ if [ "$1" = f ]; then
     --variants "default,grouped from 8"
   TAIL=45 run profile8 180 env DS4_PDL=0 DS4_Q8_ROWS_FROM=9 python3 tools/gpu/profile_batch.py 8 8192
   TAIL=10 run rows_from 115 python3 tools/gpu/batch_check.py --skip-check --batches 4,8 --steps 16 \
-    --variants "default,q8 rows from 5,side rows from 2"
+    --variants "default,q8 rows from 5,q8 rows from 9,side rows from 2"
   TAIL=14 run check "$(left)" python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
 fi
