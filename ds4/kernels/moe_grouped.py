@@ -505,7 +505,7 @@ class GroupedConfig:
 # x1.011 / x1.019 (x1.005 / x1.018 in a second call); bn 256, bn 128 at 8 warps: <= x1.003; bn 32: x0.91-0.93.
 # The IQ2_XXS nibble tables in static shared memory (lds, moe._lds_fill; bit-identical): per layer B = 32
 # 523.0 vs 524.3 us, step 50.51 vs 50.37 ms: off (env DS4_MOE_GROUPED_LDS=1). The k loop is issue-bound:
-# ~470 instructions a thread per super-block step at 4 pairs (128 dp4a), ~4.7 a weight at 1.5 pairs a run.
+# ~454 instructions a thread per super-block step at 4 pairs (128 dp4a; sm_90, the launch's divisibility).
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 CONFIG = GroupedConfig(
     sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0") == "1",
