@@ -441,9 +441,8 @@ class Q8Config:
     magic: bool = False
     prefetch: bool = False
     int8: bool = False
-    flat: int = (
-        0  # > 0: matrices of >= FLAT_MIN_TILES row tiles by _q8_flat_kernel with about this many programs
-    )
+    # > 0: matrices of >= FLAT_MIN_TILES row tiles by _q8_flat_kernel with about this many programs
+    flat: int = 0
 
 
 # tools/gpu/tune_decode.py times the alternatives: on an H200 (2026-11-29) this tile gave the lowest sum over

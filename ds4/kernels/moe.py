@@ -501,6 +501,15 @@ _LDS_WORDS = tl.constexpr(512)
 
 
 @triton.jit
+def _joined_tables(nib, snib):
+    """[512] int32: the grid nibbles (nib [256]), the sign nibbles (snib [128]) from word 256, then zeros:
+    the one table of _lds_fill and of the grouped kernel's joined tl.gather (GroupedConfig.smem 2)."""
+    t = tl.arange(0, _LDS_WORDS)
+    v = tl.load(nib + t, mask=t < 256, other=0)
+    return v | tl.load(snib + (t - 256), mask=(t >= 256) & (t < 384), other=0)
+
+
+@triton.jit
 def _lds_fill(nib, snib, PTX: tl.constexpr):
     """Declare the kernel's static shared table (once: a scalar operand makes one asm statement a thread)
     and copy both tables into it, then a barrier. Call once, at the top of the kernel, before any _lds.
@@ -511,8 +520,7 @@ def _lds_fill(nib, snib, PTX: tl.constexpr):
             dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
         t = tl.arange(0, _LDS_WORDS)
-        v = tl.load(nib + t, mask=t < 256, other=0)
-        v |= tl.load(snib + (t - 256), mask=(t >= 256) & (t < 384), other=0)
+        v = _joined_tables(nib, snib)
         tl.inline_asm_elementwise(
             "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; st.shared.b32 [a], $2;"
             " mov.u32 $0, 0; }", "=r,r,r", [t, v], dtype=tl.int32, is_pure=False, pack=1,

@@ -55,6 +55,7 @@ from .moe import (
     _dot4,
     _dot16,
     _iq2_load,
+    _joined_tables,
     _lds_fill,
     _pick,
     _prmt,
@@ -262,9 +263,7 @@ def _gate_up_grouped_kernel(
         nib_r = tl.load(tab64 + tl.arange(0, 256))
         snib_r = tl.load(ksm + tl.arange(0, 128))
     if SMEM == 2:  # one [512] table: the grid nibbles, the sign nibbles from 256, zeros
-        t = tl.arange(0, 512)
-        nib_r = tl.where(t < 256, tl.load(tab64 + t, mask=t < 256, other=0), 0)
-        nib_r += tl.load(ksm + (t - 256), mask=(t >= 256) & (t < 384), other=0)
+        nib_r = _joined_tables(tab64, ksm)
         snib_r = None
     for kt in range(0, tl.where(live, nb, 0)):
         wl, wh, ls, d = _iq2_decode(
