@@ -174,6 +174,26 @@ def test_cuda_side_stream_branches_change_no_bit(official_gguf, monkeypatch):
 
 
 @pytest.mark.cuda
+def test_cuda_hc_comb_on_side_lane(official_gguf, monkeypatch):
+    """The HC combine Sinkhorn as its own launch on side lane 2 (fused.HC_COMB_SIDE) vs inside the finish
+    kernel: the same normalisations (each 4-term sum maybe in another association), so the same greedy
+    tokens and logits within 1e-3 of their scale (an FP8 rounding point may move)."""
+    from ds4.model.cuda import fused as cfused
+
+    model = _cached_cuda(official_gguf)
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(cfused, "HC_COMB_SIDE", on)
+        st = model.new_state(96)
+        model.forward(st, list(range(100, 150)))
+        toks = model.decode_greedy(st, 7, 8).tolist()
+        out[on] = (toks, st._runner.logits.clone().float())
+    assert out[True][0] == out[False][0]
+    a, b = out[True][1], out[False][1]
+    assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max())
+
+
+@pytest.mark.cuda
 def test_cuda_ctx_bucket_graphs_change_no_bit(official_gguf, monkeypatch):
     """Decode graphs per context bucket (model.CTX_BUCKETS, buckets of 32 tokens up for the tiny model):
     greedy decode across two bucket boundaries replays one graph per bucket and equals the single graph

@@ -18,6 +18,7 @@ import torch
 from _kernel_env import DEVICE
 
 from ds4.kernels import fused, ref
+from ds4.kernels import hc as hc_kernel
 from ds4.model import hc, moe
 from ds4.model.attention import fp8_nope
 from ds4.model.norm import rms_norm
@@ -46,11 +47,19 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def _check_hc_pre(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool, seed: int) -> None:
+def _check_hc_pre(
+    B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool, seed: int, deferred: bool = False
+) -> None:
+    """deferred: the finish kernel leaves the combine logits, ds4.kernels.hc.sinkhorn normalises them; x and
+    post must be bit-equal to the in-kernel Sinkhorn's."""
     X, fn, scale, base = _hc_inputs(B, S, d, fn_dtype, seed)
     norm = torch.rand(d, generator=_gen(seed + 1)) + 0.5 if with_norm else None
     dev = [t.to(DEVICE) if t is not None else None for t in (X, fn, scale, base, norm)]
     x, post, comb = fused.hc_pre_fused(*dev[:4], 20, EPS, EPS, dev[4])
+    if deferred:
+        x2, post2, logits = fused.hc_pre_fused(*dev[:4], 20, EPS, EPS, dev[4], sinkhorn=False)
+        assert torch.equal(x2, x) and torch.equal(post2, post) and not torch.allclose(logits, comb)
+        comb = hc_kernel.sinkhorn(logits, 20, EPS)
     w = hc.HCWeights(fn.double(), scale.double(), base.double())
     xr, pr, cr = hc.hc_pre(X.double(), w, iters=20, rms_eps=EPS, hc_eps=EPS)  # f64 oracle
     if with_norm:
@@ -66,6 +75,14 @@ def _check_hc_pre(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_hc_pre_fused(B: int, S: int, d: int, fn_dtype: torch.dtype, with_norm: bool) -> None:
     _check_hc_pre(B, S, d, fn_dtype, with_norm, seed=B * 10 + S)  # rows of <= HC_FINISH_BD: one pass
+
+
+@pytest.mark.parametrize("B,S,d", [(1, 4, 128), (3, 4, 40), (2, 3, 200)])
+def test_hc_pre_fused_sinkhorn_deferred(monkeypatch, B: int, S: int, d: int) -> None:
+    """sinkhorn=False (the decode step's comb on a side stream): logits out, the Sinkhorn kernel after."""
+    _check_hc_pre(B, S, d, torch.float32, True, seed=B + 3 * d, deferred=True)
+    monkeypatch.setattr(fused, "HC_FINISH_BNS", 2)  # the partial sums in several chunks (NS = 4)
+    _check_hc_pre(B, S, d, torch.float16, False, seed=B + 3 * d + 1, deferred=True)
 
 
 @pytest.mark.parametrize("scalar", [True, False], ids=["scalar", "tile"])
@@ -336,6 +353,11 @@ def test_bad_shapes_raise() -> None:
         )
 
 
+def _joined(out):
+    """hc_pre_branch's (xn, post, Branch) with the branch joined."""
+    return out[0], out[1], out[2].join()
+
+
 def test_decode_wiring_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """ds4.model.cuda decode helpers give the same results through the kernels (TRITON_FUSED) as through
     their torch path: checks the wiring's argument plumbing (norm weight, pos, n_rot, ids dtype)."""
@@ -358,6 +380,7 @@ def test_decode_wiring_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> No
     )
     calls = [
         lambda: dec.hc_pre_norm(X, fn, scale, base, norm, 20, EPS, EPS),
+        lambda: _joined(dec.hc_pre_branch(X, fn, scale, base, norm, 20, EPS, EPS)),
         lambda: dec.hc_post(f, X, torch.rand(1, S, device=DEVICE), torch.rand(1, S, S, device=DEVICE)),
         lambda: dec.q_post(q, pos, inv, EPS),
         lambda: dec.o_post(q, pos, inv, torch.float32),

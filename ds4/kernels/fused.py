@@ -70,6 +70,11 @@ HC_FINISH_ROWS_WARPS = int(os.environ.get("DS4_HC_FINISH_ROWS_WARPS", "8"))
 # products: _div4), 4x fewer divisions on the serial chain: still slower, 102.87 vs 105.56 tok/s at 4k ctx
 # (ab_decode.py "hc scalar", both rounds alike). Off; env DS4_HC_FINISH_SCALAR=1: on.
 HC_FINISH_SCALAR = os.environ.get("DS4_HC_FINISH_SCALAR", "0") == "1"
+# The finish kernel sums the mixing projection's K-split partials (HC_CHUNK wide: 128 of them at Flash's
+# K = 16,384) in chunks of up to this many splits: each chunk is one round trip to L2 on the row's serial
+# chain (sessions <= 16: 32, so 4 trips for each of pss, pre, post and comb). H200, session 17 (ab_decode.py,
+# 4k ctx): 113.21 tok/s at 128 vs 109.78 at 32 (x1.031, both rounds alike). Env DS4_HC_FINISH_BNS.
+HC_FINISH_BNS = int(os.environ.get("DS4_HC_FINISH_BNS", "128"))
 HC_ROWS_BK = 64  # K elements per step of its loop
 HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs
 HC_ROWS_PREC = os.environ.get("DS4_HC_ROWS_PREC", "tf32x3")
@@ -137,10 +142,11 @@ def _hc_pre_finish(
     x_ptr, pmix_ptr, pss_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
     S, D, NS, iters, rms_eps, hc_eps,
     HAS_NORM: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BNS: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    ONE_PASS: tl.constexpr, SINKHORN: tl.constexpr,
 ):  # fmt: skip
     """One program per row b: mixing logits -> pre, post, comb (Sinkhorn in registers), x = sum pre X.
-    ONE_PASS (BD >= D): the row as one tile, see HC_FINISH_BD."""
+    ONE_PASS (BD >= D): the row as one tile, see HC_FINISH_BD. SINKHORN off: comb_ptr gets the combine
+    logits, for ds4.kernels.hc.sinkhorn (see hc_pre_fused)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     K = S * D
@@ -168,8 +174,9 @@ def _hc_pre_finish(
     r = tl.arange(0, BS)[:, None]
     c = tl.arange(0, BS)[None, :]
     m = (r < S) & (c < S)
-    p = sinkhorn_tile(logit, r, m, S, iters, hc_eps)
-    tl.store(comb_ptr + b * S * S + r * S + c, p, mask=m)
+    if SINKHORN:
+        logit = sinkhorn_tile(logit, r, m, S, iters, hc_eps)
+    tl.store(comb_ptr + b * S * S + r * S + c, logit, mask=m)
     # weighted sum of the unnormalised streams (+ the sublayer RMSNorm)
     dd = tl.arange(0, BD)
     if ONE_PASS:  # the whole row in one tile: the norm from registers
@@ -308,10 +315,14 @@ def hc_pre_fused(
     rms_eps: float,
     hc_eps: float,
     norm: torch.Tensor | None = None,
+    sinkhorn: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [B, S, d], fn [M, S*d] (f16/f32), scale [3], base [M] -> x [B, d], post [B, S], comb [B, S, S].
 
     = ds4.model.hc.hc_pre; with `norm` [d], x is also RMS-normalised with that weight (the sublayer norm).
+    sinkhorn off: the third output is the combine logits, and comb = ds4.kernels.hc.sinkhorn(them, iters,
+    hc_eps) (so that its serial 2 * iters normalisations can run beside the sublayer: only hc_post reads
+    comb).
     """
     _check(X.ndim == 3, f"hc_pre_fused: X must be [B, S, d], got {tuple(X.shape)}")
     B, S, d = X.shape
@@ -320,7 +331,7 @@ def hc_pre_fused(
     _check(scale.numel() == 3 and base.numel() == M, f"hc_pre_fused: scale [3], base [{M}] expected")
     _check(iters >= 1, f"hc_pre_fused: iters must be >= 1, got {iters}")
     if not _use_triton(X):
-        return ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm)
+        return ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn)
     X = X.contiguous()
     K, BM, NS = S * d, max(16, triton.next_power_of_2(M)), triton.cdiv(S * d, HC_CHUNK)
     rows = 0 < HC_ROWS_MIN <= B
@@ -345,13 +356,13 @@ def hc_pre_fused(
             X, fn.contiguous(), pmix, pss, K, M, NS, BM=BM, CHUNK=HC_CHUNK, num_warps=4, launch_pdl=PDL
         )
     warps = (rows and HC_FINISH_ROWS_WARPS) or HC_FINISH_WARPS or (16 if BD >= 4096 else 4)
-    if B and S == 4 and BD >= d and HC_FINISH_SCALAR:
+    BNS = min(max(1, HC_FINISH_BNS), triton.next_power_of_2(NS))
+    if B and S == 4 and BD >= d and HC_FINISH_SCALAR and sinkhorn:
         mix = torch.empty(B, BM, device=X.device, dtype=torch.float32)
         _hc_pre_finish4[(B,)](
             X, pmix, pss, mix, scale.float().contiguous(), base.float().contiguous(),
             norm if norm is not None else x, x, post, comb, d, NS, iters, float(rms_eps), float(hc_eps),
-            HAS_NORM=norm is not None, BM=BM, BD=BD, BNS=min(32, triton.next_power_of_2(NS)),
-            launch_pdl=PDL, num_warps=warps,
+            HAS_NORM=norm is not None, BM=BM, BD=BD, BNS=BNS, launch_pdl=PDL, num_warps=warps,
         )  # fmt: skip
     elif B:
         _hc_pre_finish[(B,)](
@@ -359,7 +370,7 @@ def hc_pre_fused(
             norm if norm is not None else x, x, post, comb,
             S, d, NS, iters, float(rms_eps), float(hc_eps),
             HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S), BD=BD,
-            BNS=min(32, triton.next_power_of_2(NS)), ONE_PASS=BD >= d, launch_pdl=PDL, num_warps=warps,
+            BNS=BNS, ONE_PASS=BD >= d, SINKHORN=sinkhorn, launch_pdl=PDL, num_warps=warps,
         )  # fmt: skip
     return x, post, comb
 

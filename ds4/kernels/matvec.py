@@ -766,8 +766,9 @@ def qmatvec(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 # f32 activation rows from which Q8_0 takes q8_rows (tensor cores, f32-accurate) instead of the CUDA-core
 # tiles, which run in chunks of 4 rows that each decode the weight tile again. Session 16 (batch_check.py, 8k,
 # H200): from 3 rows instead of 9, the B = 4 step 20.30 -> 15.12 ms (x1.34), B = 8 33.48 -> 20.56 ms (x1.63;
-# _qmv_kernel had taken 12.3 of its 34.5 ms). Env DS4_Q8_ROWS_FROM.
-Q8_ROWS_FROM = int(os.environ.get("DS4_Q8_ROWS_FROM", "3"))
+# _qmv_kernel had taken 12.3 of its 34.5 ms). Session 17: from 2 rows, the B = 2 step 13.16 -> 11.61 ms
+# (x1.134; batched vs alone at B = 2: 2.39e-4 of the logit std). Env DS4_Q8_ROWS_FROM.
+Q8_ROWS_FROM = int(os.environ.get("DS4_Q8_ROWS_FROM", "2"))
 
 
 def _takes_q8_rows(rows: int, x: torch.Tensor, w: PackedWeight) -> bool:

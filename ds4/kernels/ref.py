@@ -273,20 +273,30 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
-def hc_pre_fused(X, fn, scale, base, iters: int, rms_eps: float, hc_eps: float, norm=None):
-    """X [B, S, d] -> x [B, d] (RMS-normalised with `norm` if given), post [B, S], comb [B, S, S]."""
+def hc_pre_fused(X, fn, scale, base, iters: int, rms_eps: float, hc_eps: float, norm=None, sinkhorn=True):
+    """X [B, S, d] -> x [B, d] (RMS-normalised with `norm` if given), post [B, S], comb [B, S, S] (sinkhorn
+    off: the combine logits instead)."""
     B, S, d = X.shape
     flat = X.float().reshape(B, S * d)
     mix = (flat @ fn.float().T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)  # [B, M]
     pre = torch.sigmoid(mix[:, :S] * scale[0] + base[:S]) + hc_eps
     post = 2 * torch.sigmoid(mix[:, S : 2 * S] * scale[1] + base[S : 2 * S])
-    c = (mix[:, 2 * S :] * scale[2] + base[2 * S :]).reshape(B, S, S).softmax(-1) + hc_eps
-    c = c / (c.sum(1, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(2, keepdim=True) + hc_eps)
-        c = c / (c.sum(1, keepdim=True) + hc_eps)
+    c = (mix[:, 2 * S :] * scale[2] + base[2 * S :]).reshape(B, S, S)
     x = (pre[:, :, None] * X.float()).sum(1)
-    return (x if norm is None else _rms(x, rms_eps) * norm.float()), post, c
+    return (
+        (x if norm is None else _rms(x, rms_eps) * norm.float()),
+        post,
+        _sinkhorn(c, iters, hc_eps) if sinkhorn else c,
+    )
+
+
+def _sinkhorn(c, iters: int, eps: float):
+    c = c.softmax(-1) + eps
+    c = c / (c.sum(1, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(2, keepdim=True) + eps)
+        c = c / (c.sum(1, keepdim=True) + eps)
+    return c
 
 
 def hc_post_fused(f, X, post, comb, parts=None):

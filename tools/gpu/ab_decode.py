@@ -29,6 +29,8 @@ Variants (each the other side of an engine default; env names in brackets):
   indexer q torch INDEXER_Q_KERNEL off      (DS4_INDEXER_Q_KERNEL=0) the compiled torch chain for qi's QAT
   moe prmt math   moe.GATE_UP.sign_math     (DS4_MOE_SIGN_MATH=1) gate/up prmt: sign nibbles computed
   hc scalar       fused.HC_FINISH_SCALAR    (DS4_HC_FINISH_SCALAR=1) S = 4 finish: Sinkhorn on scalars
+  hc comb main    model.cuda.fused.HC_COMB_SIDE off (DS4_HC_COMB_SIDE=0) the Sinkhorn in the finish kernel
+  hc bns32        fused.HC_FINISH_BNS = 32  (DS4_HC_FINISH_BNS) the finish's partial sums in 4 chunks
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
@@ -81,6 +83,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "moe lds math": {(moe, "GATE_UP"): replace(moe.GATE_UP, lds=True, sign_math=True)},
     "no step memo": {(layer, "STEP_MEMO"): False},
     "hc scalar": {(fused, "HC_FINISH_SCALAR"): True},
+    "hc comb main": {(cfused, "HC_COMB_SIDE"): False},
+    "hc bns32": {(fused, "HC_FINISH_BNS"): 32},
     "topk kernel": {(layer, "TOPK_KERNEL"): True},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},

@@ -124,10 +124,13 @@ def check(batches: list[str], steps: int) -> bool:
 
 def _variants() -> dict[str, dict]:
     """--variants: name -> {(module, attribute): value} set for a timing, the defaults restored after."""
-    from ds4.kernels import matvec, moe_grouped
+    from ds4.kernels import fused, matvec, moe_grouped
+    from ds4.model.cuda import fused as cfused
 
     return {
         "default": {},
+        "hc comb main": {(cfused, "HC_COMB_SIDE"): False},  # the Sinkhorn inside the finish kernel
+        "hc bns32": {(fused, "HC_FINISH_BNS"): 32},  # the finish's partial sums in chunks of 32 (<= 16)
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
         "hmv fixup": {(matvec, "HMV_LARGE"): replace(matvec.HMV_LARGE, fixup=True)},

@@ -249,15 +249,15 @@ def decode_layer_batch(blk, kv, X, tokens, pos, slot, bound: int | None = None):
     side = getattr(blk, "side", None)
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
-    xn, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.attn_norm, *hc)
+    xn, post, comb = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.attn_norm, *hc)  # comb: a Branch
     o = attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq, side, bound)
-    X = fused.hc_post(o, X, post, comb)
+    X = fused.hc_post(o, X, post, comb.join())
     h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
-    xf, post, comb = fused.hc_pre_norm(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
+    xf, post, comb = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
     # the shared expert on the side stream, next to the router and the routed experts (streams.Branch)
     shared = Branch(xf.device, lambda: lin(swiglu_decode(*shared_gate_up(xf, m, side), clamp), m.down_sh))
     weights, ids = route_decode(
         m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     routed = _routed(xf, ids, weights, m, clamp)  # [B, k, d] per slot
-    return fused.hc_post(shared.join(), X, post, comb, routed)  # the sublayer output: slots + shared
+    return fused.hc_post(shared.join(), X, post, comb.join(), routed)  # the sublayer output: slots + shared

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from ds4.model.cuda.streams import Branch
 from ds4.model.hc import sinkhorn
 
 try:
@@ -121,6 +122,23 @@ def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: fl
     pre, post, logits = _hc_mix(X, fn, scale, base, rms_eps, hc_eps)
     comb = _sinkhorn(logits, iters, hc_eps)
     return _hc_collapse(pre, X, norm, rms_eps), post, comb
+
+
+# The combine matrix's Sinkhorn (2 * iters serial normalisations of a 4 x 4 tile, each a cross-warp sum in
+# the 16-warp finish kernel) as its own launch on side lane 2, beside the sublayer: only hc_post reads comb.
+# H200, session 17 (ab_decode.py, 4k ctx): 113.21 tok/s vs 111.20 inside the finish kernel (x1.018); B = 2 /
+# 8 / 32 step x1.031 / x1.015 / x1.005. Env DS4_HC_COMB_SIDE=0: inside the finish kernel, on the step's
+# critical path.
+HC_COMB_SIDE = os.environ.get("DS4_HC_COMB_SIDE", "1") != "0"
+
+
+def hc_pre_branch(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float):
+    """hc_pre_norm with comb as a streams.Branch: (xn, post, branch), branch.join() -> comb [B, S, S]."""
+    if TRITON_FUSED and HC_COMB_SIDE:
+        xn, post, logits = _kf.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn=False)
+        return xn, post, Branch(X.device, lambda: _sinkhorn(logits, iters, hc_eps), lane=2)
+    xn, post, comb = hc_pre_norm(X, fn, scale, base, norm, iters, rms_eps, hc_eps)
+    return xn, post, Branch.ready(comb)
 
 
 def hc_post(f, X, post, comb, parts=None):

@@ -30,34 +30,43 @@ except ImportError:  # pragma: no cover - no triton
 CONCURRENT = os.environ.get("DS4_STREAMS", "1") != "0"
 
 T = TypeVar("T")
-_SIDE: dict[int, torch.cuda.Stream] = {}
+_SIDE: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE:
-        _SIDE[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE[idx]
+def _side_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
+    key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=key[0])
+    return _SIDE[key]
 
 
 class Branch:
-    """`Branch(device, fn)` starts fn() on the side stream (after everything queued on the current one);
+    """`Branch(device, fn)` starts fn() on a side stream (after everything queued on the current one);
     `join()` makes the current stream wait for it and returns fn's result. Off CUDA, with CONCURRENT off or
-    under expert parallelism (collectives keep one order per rank), fn runs at once on the current stream."""
+    under expert parallelism (collectives keep one order per rank), fn runs at once on the current stream.
+    lane: which side stream (1, 2, ...): branches open at the same time take different lanes, so that one's
+    work does not queue behind the other's. fn (and so what it reads) is held until the join."""
 
-    def __init__(self, device: torch.device, fn: Callable[[], T]) -> None:
+    def __init__(self, device: torch.device, fn: Callable[[], T], lane: int = 1) -> None:
         self._side = None
         if CONCURRENT and device.type == "cuda" and not dist.active():
             main = torch.cuda.current_stream(device)
-            self._side = _side_stream(device)
+            self._side, self._fn = _side_stream(device, lane), fn
             self._side.wait_stream(main)
-            with torch.cuda.stream(self._side), counter_lane(1):  # split-K counters of its own
+            with torch.cuda.stream(self._side), counter_lane(lane):  # split-K counters of its own
                 self._out = fn()
         else:
             self._out = fn()
 
+    @classmethod
+    def ready(cls, value: T) -> Branch:
+        """A branch with nothing left to run: join() returns value."""
+        b = cls.__new__(cls)
+        b._side, b._out = None, value
+        return b
+
     def join(self) -> T:
         if self._side is not None:
             torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-            self._side = None
+            self._side = self._fn = None
         return self._out
