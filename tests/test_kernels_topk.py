@@ -50,3 +50,31 @@ def test_top_rows_falls_back_and_rejects() -> None:
         topk.top_rows(s, 51)
     with pytest.raises(ValueError, match="float32"):
         topk.top_rows(s.double(), 4)
+
+
+@pytest.mark.parametrize(
+    ("B", "n", "k", "chunk"),
+    [(1, 64, 16, 4096), (3, 100, 32, 4096), (2, 700, 24, 64), (2, 1000, 64, 256), (1, 32, 32, 4096)],
+    ids=["one", "pad", "chunks-11", "chunks-4", "k=n"],
+)
+def test_select_rows_is_the_sorts_set(monkeypatch, B: int, n: int, k: int, chunk: int) -> None:
+    """The radix select (select_rows): the stable sort's top-k indices (ties to the lower index), in index
+    order, in registers (n <= chunk) and streamed in chunks (n > chunk: the equal ones' ranks carried)."""
+    monkeypatch.setattr(topk, "SELECT_CHUNK", chunk)
+    s = _scores(B, n, seed=2 * n + k).to(DEVICE)
+    got = topk.select_rows(s, k)
+    assert got.dtype == torch.int64 and got.shape == (B, k)
+    assert torch.equal(got.cpu(), ref.top_rows(s.cpu(), k).sort(dim=-1).values)
+
+
+def test_select_rows_ties_cross_chunks(monkeypatch) -> None:
+    """Every score equal: the k lowest indices, though they span chunks; a slice of a wider row; random."""
+    monkeypatch.setattr(topk, "SELECT_CHUNK", 32)
+    s = torch.zeros(2, 200, device=DEVICE)
+    assert torch.equal(topk.select_rows(s, 70).cpu(), torch.arange(70).expand(2, 70))
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(3, 300, generator=g)
+    got = topk.select_rows(wide.to(DEVICE)[:, :250], 40)
+    assert torch.equal(got.cpu(), ref.top_rows(wide[:, :250], 40).sort(dim=-1).values)
+    with pytest.raises(ValueError, match="k <= n"):
+        topk.select_rows(s, 201)

@@ -98,4 +98,118 @@ def top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
         src, n, stride, first = dst, chunks * k, chunks * k, False
 
 
-__all__ = ["top_rows", "supports"]
+# ---------------------------------------------------------------------------------------------------------
+# The top-k as a set, by radix select: the k-th largest score found 8 bits at a time (4 histogram passes over
+# the row, each keeping the rows whose higher bits equal the chosen prefix), then one pass that writes the
+# indices of every score above it and of the lowest-indexed equal ones, in index order. Why: the attention
+# reads the selected rows as a set (visibility per row, one softmax over all), so the sort's order is not
+# needed; a sort of every compressed row cost 22.5 us per ratio-4 layer at 4k ctx (H200, session 17 profile:
+# torch's radixSortKVInPlace, 21 calls per token), a select is ~5 passes of one program per row. Rows longer
+# than SELECT_CHUNK are streamed from memory in every pass, one chunk after another: H200 (bench_topk_hc.py,
+# launch included) n = 1,024 / 2,048 60.3 / 51.8 us vs the sort's 74.8 / 62.6, n = 16,384 89.6 vs 71.7,
+# n = 262,144 941 vs 82: the decode step takes it only for rows that stay in registers (layer.INDEXER_SELECT).
+SELECT_CHUNK = (
+    4096  # scores per pass step: 16 a thread at SELECT_WARPS; a row of <= this many stays in registers
+)
+SELECT_WARPS = 8
+
+
+@triton.jit
+def _sortable(s):
+    """f32 -> uint32 in the same order, -0.0 as +0.0 (the sort ties them)."""
+    u = (s + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+
+@triton.jit
+def _load_chunk(row_ptr, c0, n, C: tl.constexpr):
+    """(indices i [C], valid [C], sortable bits [C]) of scores c0 .. c0 + C of the row."""
+    i = c0 + tl.arange(0, C)
+    valid = i < n
+    return i, valid, _sortable(tl.load(row_ptr + i, mask=valid, other=float("-inf")))
+
+
+@triton.jit
+def _digit_hist(u, valid, prefix, pmask, SHIFT: tl.constexpr):
+    """Histogram [256] of bits SHIFT .. SHIFT + 7 of the valid u whose bits above them equal prefix."""
+    keep = valid & ((u & pmask) == prefix)
+    return tl.histogram(((u >> SHIFT) & 0xFF).to(tl.int32), 256, mask=keep)
+
+
+@triton.jit
+def _pick_digit(hist, krem):
+    """(d, n_above): the digit whose bin holds the krem-th largest of the histogram's values (counted from
+    bin 255 down) and how many lie in the bins above it."""
+    rev = tl.flip(hist, 0)  # rev[j] = hist[255 - j]
+    j = tl.sum((tl.cumsum(rev, 0) < krem).to(tl.int32), 0)
+    return 255 - j, tl.sum(tl.where(tl.arange(0, 256) < j, rev, 0), 0)
+
+
+@triton.jit
+def _select_kernel(score_ptr, out_ptr, n, stride, K, C: tl.constexpr, ONE: tl.constexpr):
+    """Program b: out[b, :K] = the indices of row b's K largest scores (of n; ties to the lower index) in
+    ascending index order. ONE (n <= C): the row is loaded once and kept in registers."""
+    pdl_wait()  # the scores come from the previous kernel (dispatch.PDL)
+    b = tl.program_id(0)
+    row = score_ptr + b.to(tl.int64) * stride
+    if ONE:
+        i, valid, u = _load_chunk(row, 0, n, C)
+    prefix = tl.zeros([], tl.uint32)
+    pmask = tl.zeros([], tl.uint32)
+    krem = K  # how many of the rows matching prefix are still to be taken
+    for p in tl.static_range(4):  # bits 31..24, 23..16, 15..8, 7..0
+        if ONE:
+            hist = _digit_hist(u, valid, prefix, pmask, 24 - 8 * p)
+        else:
+            hist = tl.zeros([256], tl.int32)
+            for c0 in range(0, n, C):
+                i, valid, u = _load_chunk(row, c0, n, C)
+                hist += _digit_hist(u, valid, prefix, pmask, 24 - 8 * p)
+        d, above = _pick_digit(hist, krem)
+        krem -= above
+        prefix |= d.to(tl.uint32) << (24 - 8 * p)
+        pmask |= tl.full([], 0xFF, tl.uint32) << (24 - 8 * p)
+    # prefix is now the K-th largest value; krem of the values equal to it are taken, the lowest-indexed
+    if ONE:
+        _select_write(out_ptr + b.to(tl.int64) * K, i, valid, u, prefix, krem, 0, 0)
+    else:
+        taken_eq = 0
+        written = 0
+        for c0 in range(0, n, C):
+            i, valid, u = _load_chunk(row, c0, n, C)
+            taken_eq, written = _select_write(
+                out_ptr + b.to(tl.int64) * K, i, valid, u, prefix, krem, taken_eq, written
+            )
+
+
+@triton.jit
+def _select_write(dst, i, valid, u, thr, krem, taken_eq, written):
+    """Write the chunk's selected indices (u above thr, or equal to it within the first krem equal ones of
+    the row) at dst[written ...]; returns the updated (equal ones seen, written)."""
+    eq = valid & (u == thr)
+    eq_rank = tl.cumsum(eq.to(tl.int32), 0) + taken_eq  # 1-based among the row's equal ones
+    sel = (valid & (u > thr)) | (eq & (eq_rank <= krem))
+    sel_i = sel.to(tl.int32)
+    tl.store(dst + written + tl.cumsum(sel_i, 0) - 1, i.to(tl.int64), mask=sel)
+    return taken_eq + tl.sum(eq.to(tl.int32), 0), written + tl.sum(sel_i, 0)
+
+
+def select_rows(score: torch.Tensor, k: int) -> torch.Tensor:
+    """score [B, n] f32 (rows may be a column slice: unit stride in the last dim) -> [B, k] int64: the
+    indices of ref.top_rows(score, k) (the k largest, ties to the lower index) in ascending order."""
+    _check(score.ndim == 2 and score.dtype == torch.float32, "select_rows: score must be [B, n] float32")
+    B, n = score.shape
+    _check(0 < k <= n < (1 << 31), f"select_rows: need 0 < k <= n < 2^31, got k={k}, n={n}")
+    if not _use_triton(score) or B == 0:
+        return ref.top_rows(score, k).sort(dim=-1).values
+    if score.stride(1) != 1:
+        score = score.contiguous()
+    out = torch.empty(B, k, dtype=torch.int64, device=score.device)
+    C = min(SELECT_CHUNK, triton.next_power_of_2(n))
+    _select_kernel[(B,)](
+        score, out, n, score.stride(0), k, C=C, ONE=n <= C, num_warps=SELECT_WARPS, launch_pdl=PDL
+    )
+    return out
+
+
+__all__ = ["select_rows", "top_rows", "supports"]

@@ -14,6 +14,7 @@ Variants (each the other side of an engine default; env names in brackets):
                   is the default)
   1 stream        streams.CONCURRENT off    (DS4_STREAMS=0)     no side-stream branches
   indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
+  indexer sort    layer.INDEXER_SELECT off  (DS4_INDEXER_SELECT=0) the stable sort, not the radix select
   q8 no prefetch  matvec.Q8_MV1.prefetch off (DS4_Q8_PREFETCH=0) first weight tile loaded after the wait
   q8 int8         matvec.Q8_MV1.int8        (DS4_Q8_INT8=1)     x quantized to 2 int8 planes, dp4a dots
   q8 int8 bn16    the same at 16 rows x 256 per tile
@@ -67,7 +68,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 magic": {(mv, "Q8_MV1"): replace(BASE_Q8, magic=True)},
     "hc 2 pass": {(fused, "HC_FINISH_BD"): 1024, (fused, "HC_FINISH_WARPS"): 4},
     "1 stream": {(streams, "CONCURRENT"): False},
-    "indexer topk": {(layer, "INDEXER_TOPK"): True},
+    "indexer topk": {(layer, "INDEXER_TOPK"): True, (layer, "INDEXER_SELECT"): False},
+    "indexer sort": {(layer, "INDEXER_SELECT"): False},
     "attend fma": {(attend, "ATTEND_PREC"): "ieee"},
     "attend fused": {(attend, "FUSED_MERGE"): True},
     "attend dense16": {(attend, "ATTEND_BN_DENSE"): 16},
@@ -85,7 +87,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "hc scalar": {(fused, "HC_FINISH_SCALAR"): True},
     "hc comb main": {(cfused, "HC_COMB_SIDE"): False},
     "hc bns32": {(fused, "HC_FINISH_BNS"): 32},
-    "topk kernel": {(layer, "TOPK_KERNEL"): True},
+    "topk kernel": {(layer, "TOPK_KERNEL"): True, (layer, "INDEXER_SELECT"): False},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
@@ -101,6 +103,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
 SWITCHES["all"] = {
     (mv, "Q8_MV1"): replace(BASE_Q8, magic=True),
     (layer, "INDEXER_TOPK"): True,
+    (layer, "INDEXER_SELECT"): False,
     **SWITCHES["half prefetch"],
 }
 DEFAULTS = {key: getattr(*key) for sw in SWITCHES.values() for key in sw}

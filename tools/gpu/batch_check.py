@@ -130,6 +130,7 @@ def _variants() -> dict[str, dict]:
     return {
         "default": {},
         "hc comb main": {(cfused, "HC_COMB_SIDE"): False},  # the Sinkhorn inside the finish kernel
+        "indexer sort": {(layer, "INDEXER_SELECT"): False},  # the stable sort, not the radix select
         "hc bns32": {(fused, "HC_FINISH_BNS"): 32},  # the finish's partial sums in chunks of 32 (<= 16)
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},

@@ -2,9 +2,10 @@
 
 On the H200:   PYTHONPATH=. python3 tools/gpu/bench_topk_hc.py   (about 30 s)
 
-* the indexer top-k (ds4.kernels.topk.top_rows) vs the stable torch sort (ref.top_rows) at the decode widths
-  of 4k / 8k / 64k / 1M context (n = ctx / 4 compressed rows, k = 512): median us per call and whether the
-  indices are equal (tied, quantized scores as the FP4 indexer makes them, and -inf rows);
+* the indexer top-k (ds4.kernels.topk.top_rows, and the radix select_rows) vs the stable torch sort
+  (ref.top_rows) at the decode widths of 4k / 8k / 64k / 1M context (n = ctx / 4 compressed rows, k = 512):
+  median us per call and whether the indices are equal (tied, quantized scores as the FP4 indexer makes
+  them, and -inf rows);
 * the HC pre at Flash shape, B = 1 (mixing partials + finish): the S = 4 scalar finish vs the tile form.
 Timed one call at a time between CUDA events (launch included): decode replays them in a graph.
 """
@@ -25,15 +26,20 @@ from ds4.kernels import fused, ref, topk  # noqa: E402
 
 def bench_topk() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    print("top-k 512 of n (us per call): kernel, torch stable sort, equal")
+    print("top-k 512 of n (us per call): bitonic kernel, radix select (B = 1 / 32), torch stable sort, equal")
     for ctx in (4096, 8192, 65536, 1 << 20):
         n = ctx // 4
-        s = torch.round(torch.randn(1, n, device="cuda", generator=g) * 8) / 4
+        s = torch.round(torch.randn(32, n, device="cuda", generator=g) * 8) / 4
         s[:, n // 2 :] = float("-inf")  # rows past the position: invisible
-        got, want = topk.top_rows(s, 512), ref.top_rows(s, 512)
-        t_k = median_us(lambda s=s: topk.top_rows(s, 512), 50, 5)
-        t_s = median_us(lambda s=s: ref.top_rows(s, 512), 50, 5)
-        print(f"  ctx {ctx:>8} n {n:>7}: {t_k:8.1f} {t_s:8.1f}  equal={torch.equal(got, want)}")
+        s1 = s[:1]
+        got, want = topk.top_rows(s1, 512), ref.top_rows(s1, 512)
+        same_set = torch.equal(topk.select_rows(s, 512), ref.top_rows(s, 512).sort(dim=-1).values)
+        t_k = median_us(lambda s=s1: topk.top_rows(s, 512), 50, 5)
+        t_r = median_us(lambda s=s1: topk.select_rows(s, 512), 50, 5)
+        t_r32 = median_us(lambda s=s: topk.select_rows(s, 512), 50, 5)
+        t_s = median_us(lambda s=s1: ref.top_rows(s, 512), 50, 5)
+        print(f"  ctx {ctx:>8} n {n:>7}: {t_k:8.1f} {t_r:8.1f} / {t_r32:8.1f} {t_s:8.1f}  "
+              f"equal={torch.equal(got, want)} select={same_set}")  # fmt: skip
 
 
 def bench_hc() -> None:

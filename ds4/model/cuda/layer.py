@@ -339,7 +339,7 @@ def attention_decode_pool(
                 wts = (lin(xn, iw.proj) if parts[4] is None else parts[4]) * (dim**-0.5 * n_heads**-0.5)
                 score = attend_k.indexer_scores(qi, wts, kv.index, slot, count)  # [B, cap]
                 n = indexer_width(score.shape[1], shape.indexer_topk, r, bound)
-                pick = top_rows_by_keys if INDEXER_TOPK else topk_k.top_rows if TOPK_KERNEL else _top_rows
+                pick = _indexer_picker(n)
                 top = pick(score[:, :n], shape.indexer_topk)  # [B, k]
     q = q.join()  # [B, H, D]
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
@@ -391,6 +391,14 @@ def _chunk_rows(w, xn, p0, r, fk, fs, out_rows, inv_freq, eps, n_rot, indexer) -
         out_rows[n0 : n0 + K] = _finish_rows(w, pooled, starts, inv_freq, eps, n_rot, indexer)
 
 
+def _indexer_picker(n: int):
+    """The decode indexer's top-k function of n scores a row under the switches in force (INDEXER_SELECT
+    first, for the rows it keeps in registers)."""
+    if INDEXER_SELECT and topk_k is not None and n <= topk_k.SELECT_CHUNK:
+        return topk_k.select_rows
+    return top_rows_by_keys if INDEXER_TOPK else topk_k.top_rows if TOPK_KERNEL else _top_rows
+
+
 def _top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last dim, ties to the lower row (FP4-quantized scores tie
     often, e.g. at exactly 0 after the ReLU); a stable descending sort, like the CPU reference."""
@@ -408,6 +416,14 @@ TOPK_KERNEL = os.environ.get("DS4_TOPK_KERNEL", "0") == "1"
 # sort of every compressed row: same indices; slower on the H200 (ab_decode.py, session 6: 77.31 vs 79.07
 # tok/s at 4k ctx). Env DS4_INDEXER_TOPK=1: on.
 INDEXER_TOPK = os.environ.get("DS4_INDEXER_TOPK", "0") == "1"
+
+# Decode's indexer top-k as a set (ds4.kernels.topk.select_rows: a radix select, the indices in ascending
+# order; the attention reads them as a set) instead of the stable sort's order, for rows of at most
+# topk.SELECT_CHUNK scores (16k ctx), which the select keeps in registers. H200, session 17 (ab_decode.py):
+# 4k ctx 118.11 vs 112.94 tok/s with the sort (x1.046); at 64k ctx (16,384 scores, streamed in chunks: 5
+# passes over the row) 96.19 vs 99.52, so longer rows keep the sort. Env DS4_INDEXER_SELECT=0: off (the
+# sort, or TOPK_KERNEL / INDEXER_TOPK when set). Read when a step is built.
+INDEXER_SELECT = os.environ.get("DS4_INDEXER_SELECT", "1") == "1"
 
 
 @fused.fuse(dynamic=True)
