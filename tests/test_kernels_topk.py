@@ -78,3 +78,13 @@ def test_select_rows_ties_cross_chunks(monkeypatch) -> None:
     assert torch.equal(got.cpu(), ref.top_rows(wide[:, :250], 40).sort(dim=-1).values)
     with pytest.raises(ValueError, match="k <= n"):
         topk.select_rows(s, 201)
+
+
+def test_decode_takes_the_select_for_rows_in_registers(monkeypatch) -> None:
+    """layer._indexer_picker: the select up to SELECT_CHUNK scores a row, the sort past it or when off."""
+    from ds4.model.cuda import layer
+
+    assert layer._indexer_picker(topk.SELECT_CHUNK) is topk.select_rows
+    assert layer._indexer_picker(topk.SELECT_CHUNK + 1) is layer._top_rows
+    monkeypatch.setattr(layer, "INDEXER_SELECT", False)
+    assert layer._indexer_picker(64) is layer._top_rows
