@@ -61,6 +61,7 @@ def test_select_rows_is_the_sorts_set(monkeypatch, B: int, n: int, k: int, chunk
     """The radix select (select_rows): the stable sort's top-k indices (ties to the lower index), in index
     order, in registers (n <= chunk) and streamed in chunks (n > chunk: the equal ones' ranks carried)."""
     monkeypatch.setattr(topk, "SELECT_CHUNK", chunk)
+    monkeypatch.setattr(topk, "SELECT_REG_MAX", chunk)  # rows past one chunk streamed
     s = _scores(B, n, seed=2 * n + k).to(DEVICE)
     got = topk.select_rows(s, k)
     assert got.dtype == torch.int64 and got.shape == (B, k)
@@ -70,6 +71,7 @@ def test_select_rows_is_the_sorts_set(monkeypatch, B: int, n: int, k: int, chunk
 def test_select_rows_ties_cross_chunks(monkeypatch) -> None:
     """Every score equal: the k lowest indices, though they span chunks; a slice of a wider row; random."""
     monkeypatch.setattr(topk, "SELECT_CHUNK", 32)
+    monkeypatch.setattr(topk, "SELECT_REG_MAX", 32)
     s = torch.zeros(2, 200, device=DEVICE)
     assert torch.equal(topk.select_rows(s, 70).cpu(), torch.arange(70).expand(2, 70))
     g = torch.Generator().manual_seed(4)
@@ -81,10 +83,10 @@ def test_select_rows_ties_cross_chunks(monkeypatch) -> None:
 
 
 def test_decode_takes_the_select_for_rows_in_registers(monkeypatch) -> None:
-    """layer._indexer_picker: the select up to SELECT_CHUNK scores a row, the sort past it or when off."""
+    """layer._indexer_picker: the select up to INDEXER_SELECT_MAX scores a row, the sort past it or off."""
     from ds4.model.cuda import layer
 
-    assert layer._indexer_picker(topk.SELECT_CHUNK) is topk.select_rows
-    assert layer._indexer_picker(topk.SELECT_CHUNK + 1) is layer._top_rows
+    assert layer._indexer_picker(layer.INDEXER_SELECT_MAX) is topk.select_rows
+    assert layer._indexer_picker(layer.INDEXER_SELECT_MAX + 1) is layer._top_rows
     monkeypatch.setattr(layer, "INDEXER_SELECT", False)
     assert layer._indexer_picker(64) is layer._top_rows

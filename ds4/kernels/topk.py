@@ -107,11 +107,13 @@ def top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
 # torch's radixSortKVInPlace, 21 calls per token), a select is ~5 passes of one program per row. Rows longer
 # than SELECT_CHUNK are streamed from memory in every pass, one chunk after another: H200 (bench_topk_hc.py,
 # launch included) n = 1,024 / 2,048 60.3 / 51.8 us vs the sort's 74.8 / 62.6, n = 16,384 89.6 vs 71.7,
-# n = 262,144 941 vs 82: the decode step takes it only for rows that stay in registers (layer.INDEXER_SELECT).
-SELECT_CHUNK = (
-    4096  # scores per pass step: 16 a thread at SELECT_WARPS; a row of <= this many stays in registers
-)
+# n = 262,144 941 vs 82: the decode step takes it only for rows of up to layer.INDEXER_SELECT_MAX scores.
+SELECT_CHUNK = 4096  # scores per pass step of a streamed row (16 a thread at SELECT_WARPS)
 SELECT_WARPS = 8
+# Rows of up to this many scores stay in registers (from 8,192 at 16 warps: 16 or 32 a thread; sm_90 build at
+# 16,384: 128 registers and 328 bytes of stack). Timed on the H200 up to 4,096 (above); 16,384 (64k ctx) only
+# built and interpreter-tested so far.
+SELECT_REG_MAX = 16384
 
 
 @triton.jit
@@ -205,10 +207,10 @@ def select_rows(score: torch.Tensor, k: int) -> torch.Tensor:
     if score.stride(1) != 1:
         score = score.contiguous()
     out = torch.empty(B, k, dtype=torch.int64, device=score.device)
-    C = min(SELECT_CHUNK, triton.next_power_of_2(n))
-    _select_kernel[(B,)](
-        score, out, n, score.stride(0), k, C=C, ONE=n <= C, num_warps=SELECT_WARPS, launch_pdl=PDL
-    )
+    one = n <= SELECT_REG_MAX
+    C = triton.next_power_of_2(n) if one else SELECT_CHUNK
+    warps = SELECT_WARPS if C <= 4096 else 16
+    _select_kernel[(B,)](score, out, n, score.stride(0), k, C=C, ONE=one, num_warps=warps, launch_pdl=PDL)
     return out
 
 

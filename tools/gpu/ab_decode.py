@@ -15,6 +15,7 @@ Variants (each the other side of an engine default; env names in brackets):
   1 stream        streams.CONCURRENT off    (DS4_STREAMS=0)     no side-stream branches
   indexer topk    layer.INDEXER_TOPK        (DS4_INDEXER_TOPK=1) torch.topk over keys, no full sort
   indexer sort    layer.INDEXER_SELECT off  (DS4_INDEXER_SELECT=0) the stable sort, not the radix select
+  select 16k      layer.INDEXER_SELECT_MAX = 16384: the select (in registers) up to 64k ctx too
   q8 no prefetch  matvec.Q8_MV1.prefetch off (DS4_Q8_PREFETCH=0) first weight tile loaded after the wait
   q8 int8         matvec.Q8_MV1.int8        (DS4_Q8_INT8=1)     x quantized to 2 int8 planes, dp4a dots
   q8 int8 bn16    the same at 16 rows x 256 per tile
@@ -70,6 +71,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "1 stream": {(streams, "CONCURRENT"): False},
     "indexer topk": {(layer, "INDEXER_TOPK"): True, (layer, "INDEXER_SELECT"): False},
     "indexer sort": {(layer, "INDEXER_SELECT"): False},
+    "select 16k": {(layer, "INDEXER_SELECT_MAX"): 16384},
     "attend fma": {(attend, "ATTEND_PREC"): "ieee"},
     "attend fused": {(attend, "FUSED_MERGE"): True},
     "attend dense16": {(attend, "ATTEND_BN_DENSE"): 16},

@@ -394,7 +394,7 @@ def _chunk_rows(w, xn, p0, r, fk, fs, out_rows, inv_freq, eps, n_rot, indexer) -
 def _indexer_picker(n: int):
     """The decode indexer's top-k function of n scores a row under the switches in force (INDEXER_SELECT
     first, for the rows it keeps in registers)."""
-    if INDEXER_SELECT and topk_k is not None and n <= topk_k.SELECT_CHUNK:
+    if INDEXER_SELECT and topk_k is not None and n <= INDEXER_SELECT_MAX:
         return topk_k.select_rows
     return top_rows_by_keys if INDEXER_TOPK else topk_k.top_rows if TOPK_KERNEL else _top_rows
 
@@ -419,11 +419,13 @@ INDEXER_TOPK = os.environ.get("DS4_INDEXER_TOPK", "0") == "1"
 
 # Decode's indexer top-k as a set (ds4.kernels.topk.select_rows: a radix select, the indices in ascending
 # order; the attention reads them as a set) instead of the stable sort's order, for rows of at most
-# topk.SELECT_CHUNK scores (16k ctx), which the select keeps in registers. H200, session 17 (ab_decode.py):
-# 4k ctx 118.11 vs 112.94 tok/s with the sort (x1.046); at 64k ctx (16,384 scores, streamed in chunks: 5
-# passes over the row) 96.19 vs 99.52, so longer rows keep the sort. Env DS4_INDEXER_SELECT=0: off (the
-# sort, or TOPK_KERNEL / INDEXER_TOPK when set). Read when a step is built.
+# INDEXER_SELECT_MAX scores (4,096: 16k ctx). H200, session 17 (ab_decode.py): 4k ctx 118.11 vs 112.94 tok/s
+# with the sort (x1.046); at 64k ctx (16,384 scores, then streamed in chunks: 5 passes over the row) 96.19
+# vs 99.52, so longer rows keep the sort (topk.SELECT_REG_MAX now keeps 16,384 in registers: not yet timed).
+# Env DS4_INDEXER_SELECT=0: off (the sort, or TOPK_KERNEL / INDEXER_TOPK when set); DS4_INDEXER_SELECT_MAX.
+# Read when a step is built.
 INDEXER_SELECT = os.environ.get("DS4_INDEXER_SELECT", "1") == "1"
+INDEXER_SELECT_MAX = int(os.environ.get("DS4_INDEXER_SELECT_MAX", "4096"))
 
 
 @fused.fuse(dynamic=True)
