@@ -423,3 +423,24 @@ def test_warm_up_step_restored_then_replayed_equals_one_step(which, official_ggu
             assert all(torch.equal(a, b) for a, b in zip(_buffers(st), _buffers(once), strict=True)), p
             st.n_tokens = p + 1
     assert unrestored_differs
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["single", "batched"])
+def test_hc_post_mix_changes_no_logit(tiny_model, monkeypatch, batched: bool):
+    """fused.HC_POST_MIX: each HC post hands the next HC site its mixing partials (the torch twins here):
+    the same logits as the separate projection within float32 noise, the same states."""
+    from ds4.model.cuda import fused
+
+    assert fused.TRITON_FUSED  # the kernel wiring with its CPU twins
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(fused, "HC_POST_MIX", on)
+        states = tiny_model.new_states(2, 40)
+        for st, n in zip(states, (21, 9), strict=True):
+            tiny_model.forward(st, [(i * 31 + n) % tiny_model.cfg.n_vocab for i in range(n)])
+        picked = states if batched else states[:1]  # one session: the single-state step (decode_step)
+        out[on] = (tiny_model.decode_batch(picked, [5, 6][: len(picked)]), states)
+    got, want = out[True][0], out[False][0]
+    assert float((got - want).abs().max()) <= LOGIT_TOL * float(want.abs().max())
+    for a, b in zip(out[True][1], out[False][1], strict=True):
+        _assert_states_close(a, b)

@@ -113,6 +113,29 @@ def test_hc_pre_fused_row_tiles(monkeypatch, B: int, S: int, d: int) -> None:
     _check_hc_pre(B, S, d, torch.float32, False, seed=B + d + 1)
 
 
+@pytest.mark.parametrize(("B", "S", "d", "parts"), [(1, 4, 256, 0), (2, 3, 200, 2), (3, 4, 128, 1)])
+def test_hc_post_mix(monkeypatch, B: int, S: int, d: int, parts: int) -> None:
+    """hc_post_mix: X' bit-equal to hc_post_fused's; the next site's partials as ref.mix_partials makes them
+    (d = 200: a partial last block); hc_pre_fused from them = from X' itself (also past HC_ROWS_MIN rows,
+    where hc_pre_fused would take the row-tile projection)."""
+    monkeypatch.setattr(fused, "HC_ROWS_MIN", 2)
+    g = _gen(B + d)
+    f, X = torch.randn(B, d, generator=g), torch.randn(B, S, d, generator=g)
+    post, comb = torch.rand(B, S, generator=g), torch.rand(B, S, S, generator=g)
+    k = torch.randn(B, parts, d, generator=g) if parts else None
+    _, fn, scale, base = _hc_inputs(B, S, d, torch.float16, seed=d)
+    dev = [t.to(DEVICE) if t is not None else None for t in (f, X, post, comb, k, fn, scale, base)]
+    out, (pmix, pss) = fused.hc_post_mix(*dev[:6])
+    assert torch.equal(out, fused.hc_post_fused(*dev[:5]))
+    want_mix, want_ss = ref.mix_partials(out.cpu(), fn, fused.HC_CHUNK, pmix.shape[2])
+    assert _max_rel(pmix, want_mix) < 1e-5 and _max_rel(pss, want_ss) < 1e-5
+    norm = (torch.rand(d, generator=g) + 0.5).to(DEVICE)
+    got = fused.hc_pre_fused(out, *dev[5:], 20, EPS, EPS, norm, mix=(pmix, pss))
+    want = fused.hc_pre_fused(out, *dev[5:], 20, EPS, EPS, norm)
+    for a, b in zip(got, want, strict=True):
+        assert _max_rel(a, b) < 1e-5
+
+
 def test_hc_pre_twin_matches_reference() -> None:
     X, fn, scale, base = _hc_inputs(2, 4, 48, torch.float32, 7)
     got = ref.hc_pre_fused(X, fn, scale, base, 20, EPS, EPS)

@@ -306,6 +306,35 @@ def _hc_pre_finish4(
     tl.store(out_ptr + b * D + dd, xv, mask=dm)
 
 
+def _mix_partials(X: torch.Tensor, fn: torch.Tensor, M: int, rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixing projection's K-split partials of X [B, S, d]: pmix [B, NS, BM] (fn . X over each split)
+    and pss [B, NS] (sum X^2): by row tiles (_hc_mix_rows) when rows, else one program per (row, split)."""
+    B, S, d = X.shape
+    K, BM, NS = S * d, mix_width(M), triton.cdiv(S * d, HC_CHUNK)
+    if rows:  # K splits of whole BK steps, for about HC_ROWS_PROGRAMS programs
+        tiles = triton.cdiv(B, HC_ROWS_BT)
+        want = max(1, min(K // (4 * HC_ROWS_BK), triton.cdiv(HC_ROWS_PROGRAMS, tiles)))
+        KS = triton.cdiv(triton.cdiv(K, want), HC_ROWS_BK) * HC_ROWS_BK
+        NS = triton.cdiv(K, KS)
+    pmix = torch.empty(B, NS, BM, device=X.device, dtype=torch.float32)
+    pss = torch.empty(B, NS, device=X.device, dtype=torch.float32)
+    if B and rows:
+        _hc_mix_rows[(tiles, NS)](
+            X, fn.contiguous(), pmix, pss, B, K, M, NS, KS, BT=HC_ROWS_BT, BM=BM, BK=HC_ROWS_BK,
+            PREC=HC_ROWS_PREC, num_warps=HC_ROWS_WARPS, launch_pdl=PDL,
+        )  # fmt: skip
+    elif B:
+        _hc_mix_partial[(B, NS)](
+            X, fn.contiguous(), pmix, pss, K, M, NS, BM=BM, CHUNK=HC_CHUNK, num_warps=4, launch_pdl=PDL
+        )
+    return pmix, pss
+
+
+def mix_width(M: int) -> int:
+    """BM: the mixing partials' row width for M mixing logits."""
+    return max(16, triton.next_power_of_2(M))
+
+
 def hc_pre_fused(
     X: torch.Tensor,
     fn: torch.Tensor,
@@ -316,13 +345,15 @@ def hc_pre_fused(
     hc_eps: float,
     norm: torch.Tensor | None = None,
     sinkhorn: bool = True,
+    mix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [B, S, d], fn [M, S*d] (f16/f32), scale [3], base [M] -> x [B, d], post [B, S], comb [B, S, S].
 
     = ds4.model.hc.hc_pre; with `norm` [d], x is also RMS-normalised with that weight (the sublayer norm).
     sinkhorn off: the third output is the combine logits, and comb = ds4.kernels.hc.sinkhorn(them, iters,
     hc_eps) (so that its serial 2 * iters normalisations can run beside the sublayer: only hc_post reads
-    comb).
+    comb). mix: the mixing projection's K-split partials of X (pmix [B, NS, BM], pss [B, NS]) as
+    hc_post_mix made them with X: its launch here is skipped.
     """
     _check(X.ndim == 3, f"hc_pre_fused: X must be [B, S, d], got {tuple(X.shape)}")
     B, S, d = X.shape
@@ -331,30 +362,19 @@ def hc_pre_fused(
     _check(scale.numel() == 3 and base.numel() == M, f"hc_pre_fused: scale [3], base [{M}] expected")
     _check(iters >= 1, f"hc_pre_fused: iters must be >= 1, got {iters}")
     if not _use_triton(X):
-        return ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn)
+        return ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn, mix)
     X = X.contiguous()
-    K, BM, NS = S * d, max(16, triton.next_power_of_2(M)), triton.cdiv(S * d, HC_CHUNK)
-    rows = 0 < HC_ROWS_MIN <= B
-    if rows:  # K splits of whole BK steps, for about HC_ROWS_PROGRAMS programs
-        tiles = triton.cdiv(B, HC_ROWS_BT)
-        want = max(1, min(K // (4 * HC_ROWS_BK), triton.cdiv(HC_ROWS_PROGRAMS, tiles)))
-        KS = triton.cdiv(triton.cdiv(K, want), HC_ROWS_BK) * HC_ROWS_BK
-        NS = triton.cdiv(K, KS)
+    rows = mix is None and 0 < HC_ROWS_MIN <= B
+    if mix is None:
+        pmix, pss = _mix_partials(X, fn, M, rows)
+    else:
+        pmix, pss = mix
+        _check(pmix.shape[:2] == pss.shape and pmix.shape[0] == B, "hc_pre_fused: mix partials' shapes")
+    BM, NS = pmix.shape[2], pss.shape[1]
     BD = triton.next_power_of_2(d) if d <= HC_FINISH_BD else min(1024, HC_FINISH_BD)
-    pmix = torch.empty(B, NS, BM, device=X.device, dtype=torch.float32)
-    pss = torch.empty(B, NS, device=X.device, dtype=torch.float32)
     x = torch.empty(B, d, device=X.device, dtype=torch.float32)
     post = torch.empty(B, S, device=X.device, dtype=torch.float32)
     comb = torch.empty(B, S, S, device=X.device, dtype=torch.float32)
-    if B and rows:
-        _hc_mix_rows[(tiles, NS)](
-            X, fn.contiguous(), pmix, pss, B, K, M, NS, KS, BT=HC_ROWS_BT, BM=BM, BK=HC_ROWS_BK,
-            PREC=HC_ROWS_PREC, num_warps=HC_ROWS_WARPS, launch_pdl=PDL,
-        )  # fmt: skip
-    elif B:
-        _hc_mix_partial[(B, NS)](
-            X, fn.contiguous(), pmix, pss, K, M, NS, BM=BM, CHUNK=HC_CHUNK, num_warps=4, launch_pdl=PDL
-        )
     warps = (rows and HC_FINISH_ROWS_WARPS) or HC_FINISH_WARPS or (16 if BD >= 4096 else 4)
     BNS = min(max(1, HC_FINISH_BNS), triton.next_power_of_2(NS))
     if B and S == 4 and BD >= d and HC_FINISH_SCALAR and sinkhorn:
@@ -381,11 +401,12 @@ def hc_pre_fused(
 
 @triton.jit
 def _hc_post_kernel(
-    f_ptr, parts_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, S, D, n_parts,
-    BS: tl.constexpr, BD: tl.constexpr, PARTS: tl.constexpr,
+    f_ptr, parts_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, S, D, n_parts, fn_ptr, pmix_ptr, pss_ptr, M,
+    BS: tl.constexpr, BD: tl.constexpr, PARTS: tl.constexpr, MIX: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
     """Program (b, block of d): out[b, dst, :] = post[dst] * f + sum_src comb[src, dst] * X[src, :]; PARTS:
-    f = sum_j parts[b, j, :] (j in order) + f[b, :]."""
+    f = sum_j parts[b, j, :] (j in order) + f[b, :]. MIX: also the next HC site's mixing partials of the
+    block (_hc_mix_partial's, split s = dst * blocks + block: with BD = HC_CHUNK the same splits)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -407,6 +428,24 @@ def _hc_post_kernel(
         f = psum + f
     out = post[:, None] * f[None, :] + acc
     tl.store(out_ptr + (b * S + i[:, None]) * D + dd[None, :], out, mask=im[:, None] & dm[None, :])
+    if MIX:
+        _post_mix(out, i, dd, dm, fn_ptr, pmix_ptr, pss_ptr, b, S, D, M, BM)
+
+
+@triton.jit
+def _post_mix(out, i, dd, dm, fn_ptr, pmix_ptr, pss_ptr, b, S, D, M, BM: tl.constexpr):
+    """_hc_mix_partial's work on the X' block out [BS, BD] (streams i, columns dd) of program (b, block):
+    per stream, fn[:, dst D + dd] . X'[dst, dd] -> pmix[b, s, :M] and sum X'^2 -> pss[b, s]."""
+    m = tl.arange(0, BM)
+    mm = m < M
+    NS = S * tl.num_programs(1)
+    for dst in range(0, S):
+        xs = tl.sum(tl.where(i[:, None] == dst, out, 0.0), axis=0)  # [BD]: row dst of the block
+        k = dst * D + dd
+        w = tl.load(fn_ptr + m[:, None] * (S * D) + k[None, :], mask=mm[:, None] & dm[None, :], other=0.0)
+        sp = b * NS + dst * tl.num_programs(1) + tl.program_id(1)
+        tl.store(pmix_ptr + sp * BM + m, tl.sum(w.to(tl.float32) * xs[None, :], axis=1))
+        tl.store(pss_ptr + sp, tl.sum(xs * xs, axis=0))
 
 
 def hc_post_fused(
@@ -430,17 +469,52 @@ def hc_post_fused(
         )
     if not _use_triton(X):
         return ref.hc_post_fused(f, X, post, comb, parts)
+    return _hc_post_launch(f, X, post, comb, parts, None)[0]
+
+
+def hc_post_mix(
+    f: torch.Tensor,
+    X: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    parts: torch.Tensor | None,
+    fn: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """hc_post_fused, and in the same launch the next HC site's mixing partials of X' (fn [M, S*d] that
+    site's projection): (X', (pmix, pss)) for hc_pre_fused(..., mix=): one launch fewer per site boundary,
+    X' not re-read for them. The splits are _hc_mix_partial's (HC_CHUNK wide)."""
+    B, S, d = X.shape
+    _check(fn.ndim == 2 and fn.shape[1] == S * d, f"hc_post_mix: fn must be [M, {S * d}]")
+    if not _use_triton(X):
+        out = ref.hc_post_fused(f, X, post, comb, parts)
+        return out, ref.mix_partials(out, fn, HC_CHUNK, mix_width(fn.shape[0]))
+    out, mix = _hc_post_launch(f, X, post, comb, parts, fn)
+    return out, mix
+
+
+def _hc_post_launch(f, X, post, comb, parts, fn):
+    """(X', (pmix, pss) or None): the _hc_post_kernel launch (MIX when fn is given)."""
+    B, S, d = X.shape
     out = torch.empty(B, S, d, device=X.device, dtype=torch.float32)
-    BD = min(512, triton.next_power_of_2(d))
+    BD = min(512, triton.next_power_of_2(d)) if fn is None else HC_CHUNK
     f = f.contiguous()
+    M = fn.shape[0] if fn is not None else 0
+    blocks = triton.cdiv(d, BD)
+    mix = None
+    if fn is not None:
+        mix = (
+            torch.empty(B, S * blocks, mix_width(M), device=X.device, dtype=torch.float32),
+            torch.empty(B, S * blocks, device=X.device, dtype=torch.float32),
+        )
     if B:
-        _hc_post_kernel[(B, triton.cdiv(d, BD))](
+        _hc_post_kernel[(B, blocks)](
             f, parts.contiguous() if parts is not None else f, X.contiguous(), post.float().contiguous(),
             comb.float().contiguous(), out, S, d, parts.shape[1] if parts is not None else 0,
-            BS=triton.next_power_of_2(S), BD=BD, PARTS=parts is not None, num_warps=4,
-            launch_pdl=PDL,
+            fn.contiguous() if fn is not None else f, *(mix or (out, out)), M,
+            BS=triton.next_power_of_2(S), BD=BD, PARTS=parts is not None, MIX=fn is not None,
+            BM=mix_width(max(M, 1)), num_warps=4, launch_pdl=PDL,
         )  # fmt: skip
-    return out
+    return out, mix
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -684,6 +758,7 @@ def router_topk(
 
 __all__ = [
     "hc_pre_fused",
+    "hc_post_mix",
     "hc_post_fused",
     "q_norm_rope",
     "kv_norm_rope_fp8",

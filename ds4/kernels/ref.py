@@ -273,12 +273,18 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
-def hc_pre_fused(X, fn, scale, base, iters: int, rms_eps: float, hc_eps: float, norm=None, sinkhorn=True):
+def hc_pre_fused(
+    X, fn, scale, base, iters: int, rms_eps: float, hc_eps: float, norm=None, sinkhorn=True, mix=None
+):
     """X [B, S, d] -> x [B, d] (RMS-normalised with `norm` if given), post [B, S], comb [B, S, S] (sinkhorn
-    off: the combine logits instead)."""
+    off: the combine logits instead); mix: X's mixing partials (mix_partials) instead of fn . X."""
     B, S, d = X.shape
     flat = X.float().reshape(B, S * d)
-    mix = (flat @ fn.float().T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)  # [B, M]
+    if mix is None:
+        mix = (flat @ fn.float().T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)  # [B, M]
+    else:
+        ss = mix[1].sum(1, keepdim=True)
+        mix = mix[0].sum(1)[:, : fn.shape[0]] * torch.rsqrt(ss / (S * d) + rms_eps)
     pre = torch.sigmoid(mix[:, :S] * scale[0] + base[:S]) + hc_eps
     post = 2 * torch.sigmoid(mix[:, S : 2 * S] * scale[1] + base[S : 2 * S])
     c = (mix[:, 2 * S :] * scale[2] + base[2 * S :]).reshape(B, S, S)
@@ -297,6 +303,18 @@ def _sinkhorn(c, iters: int, eps: float):
         c = c / (c.sum(2, keepdim=True) + eps)
         c = c / (c.sum(1, keepdim=True) + eps)
     return c
+
+
+def mix_partials(X, fn, chunk: int, width: int):
+    """X [B, S, d] -> (pmix [B, NS, width], pss [B, NS]): fn . X and sum X^2 over each of the NS chunks of
+    `chunk` columns of every stream's row (the splits of the HC mixing projection)."""
+    B, S, d = X.shape
+    M, n = fn.shape[0], -(-d // chunk)
+    xs = torch.nn.functional.pad(X.float(), (0, n * chunk - d)).reshape(B, S, n, chunk)
+    w = torch.nn.functional.pad(fn.float().reshape(M, S, d), (0, n * chunk - d)).reshape(M, S, n, chunk)
+    pmix = torch.zeros(B, S * n, width, dtype=torch.float32, device=X.device)
+    pmix[:, :, :M] = torch.einsum("bsnc,msnc->bsnm", xs, w).reshape(B, S * n, M)
+    return pmix, xs.square().sum(-1).reshape(B, S * n)
 
 
 def hc_post_fused(f, X, post, comb, parts=None):

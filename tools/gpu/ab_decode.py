@@ -33,6 +33,8 @@ Variants (each the other side of an engine default; env names in brackets):
   hc scalar       fused.HC_FINISH_SCALAR    (DS4_HC_FINISH_SCALAR=1) S = 4 finish: Sinkhorn on scalars
   hc comb main    model.cuda.fused.HC_COMB_SIDE off (DS4_HC_COMB_SIDE=0) the Sinkhorn in the finish kernel
   hc bns32        fused.HC_FINISH_BNS = 32  (DS4_HC_FINISH_BNS) the finish's partial sums in 4 chunks
+  hc post mix     model.cuda.fused.HC_POST_MIX (DS4_HC_POST_MIX=1) the next HC site's mixing partials in
+                  the HC post's launch
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
@@ -89,6 +91,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "hc scalar": {(fused, "HC_FINISH_SCALAR"): True},
     "hc comb main": {(cfused, "HC_COMB_SIDE"): False},
     "hc bns32": {(fused, "HC_FINISH_BNS"): 32},
+    "hc post mix": {(cfused, "HC_POST_MIX"): True},
     "topk kernel": {(layer, "TOPK_KERNEL"): True, (layer, "INDEXER_SELECT"): False},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},

@@ -131,6 +131,7 @@ def _variants() -> dict[str, dict]:
         "default": {},
         "hc comb main": {(cfused, "HC_COMB_SIDE"): False},  # the Sinkhorn inside the finish kernel
         "indexer sort": {(layer, "INDEXER_SELECT"): False},  # the stable sort, not the radix select
+        "hc post mix": {(cfused, "HC_POST_MIX"): True},  # the next HC site's partials in the post's launch
         "hc bns32": {(fused, "HC_FINISH_BNS"): 32},  # the finish's partial sums in chunks of 32 (<= 16)
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},

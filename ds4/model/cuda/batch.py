@@ -241,23 +241,25 @@ def _routed_grouped(xf, ids, weights, m, clamp):
     return reduce_slots(per_slot.view(B, k, -1))
 
 
-def decode_layer_batch(blk, kv, X, tokens, pos, slot, bound: int | None = None):
-    """X [B, S, d] -> [B, S, d] for B tokens (tokens/pos/slot [B] device tensors) over pool layer kv; blk: the
-    layer (ds4.model.block.Block: cfg, il, w, shape, inv_freq; `side`, its SideMatrices, if set); bound:
-    every pos[b] < bound (tokens), or None (layer.indexer_width)."""
+def decode_layer_batch(blk, kv, X, tokens, pos, slot, bound: int | None = None, mix=None, next_fn=None):
+    """X [B, S, d] -> (X' [B, S, d], mix) for B tokens (tokens/pos/slot [B] device tensors) over pool layer
+    kv; blk: the layer (ds4.model.block.Block: cfg, il, w, shape, inv_freq; `side`, its SideMatrices, if set);
+    bound: every pos[b] < bound (tokens), or None (layer.indexer_width). mix: X's mixing partials for this
+    layer's attention HC (from the layer before), or None; next_fn: the next layer's attention HC
+    projection (None for the last), whose partials of X' come back as mix (fused.hc_post_mix; or None)."""
     cfg, il, w, shape, inv_freq = blk.cfg, blk.il, blk.w, blk.shape, blk.inv_freq
     side = getattr(blk, "side", None)
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
-    xn, post, comb = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.attn_norm, *hc)  # comb: a Branch
+    xn, post, comb = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.attn_norm, *hc, mix)  # comb: a Branch
     o = attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq, side, bound)
-    X = fused.hc_post(o, X, post, comb.join())
     h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
-    xf, post, comb = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.ffn_norm, *hc)
+    X, mix = fused.hc_post_mix(o, X, post, comb.join(), None, h.fn)
+    xf, post, comb = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.ffn_norm, *hc, mix)
     # the shared expert on the side stream, next to the router and the routed experts (streams.Branch)
     shared = Branch(xf.device, lambda: lin(swiglu_decode(*shared_gate_up(xf, m, side), clamp), m.down_sh))
     weights, ids = route_decode(
         m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     routed = _routed(xf, ids, weights, m, clamp)  # [B, k, d] per slot
-    return fused.hc_post(shared.join(), X, post, comb.join(), routed)  # the sublayer output: slots + shared
+    return fused.hc_post_mix(shared.join(), X, post, comb.join(), routed, next_fn)  # output: slots + shared

@@ -113,12 +113,12 @@ def _hc_collapse(pre, X, norm, rms_eps: float):
     return rms_norm((pre[:, :, None] * X).sum(1), norm, rms_eps)
 
 
-def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float):
+def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float, mix=None):
     """HC collapse + the sublayer's RMSNorm: X [1, S, d] -> (xn [1, d], post [1, S], comb [1, S, S]).
     The Sinkhorn loop is one Triton kernel (ds4.kernels.hc) where available: inductor splits it into
-    2 * iters tiny kernels."""
+    2 * iters tiny kernels. mix: X's mixing partials from hc_post_mix (kernel path only), or None."""
     if TRITON_FUSED:
-        return _kf.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm)
+        return _kf.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, mix=mix)
     pre, post, logits = _hc_mix(X, fn, scale, base, rms_eps, hc_eps)
     comb = _sinkhorn(logits, iters, hc_eps)
     return _hc_collapse(pre, X, norm, rms_eps), post, comb
@@ -132,13 +132,30 @@ def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: fl
 HC_COMB_SIDE = os.environ.get("DS4_HC_COMB_SIDE", "1") != "0"
 
 
-def hc_pre_branch(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float):
-    """hc_pre_norm with comb as a streams.Branch: (xn, post, branch), branch.join() -> comb [B, S, S]."""
+def hc_pre_branch(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float, mix=None):
+    """hc_pre_norm with comb as a streams.Branch: (xn, post, branch), branch.join() -> comb [B, S, S].
+    mix: as hc_pre_norm's."""
     if TRITON_FUSED and HC_COMB_SIDE:
-        xn, post, logits = _kf.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn=False)
+        xn, post, logits = _kf.hc_pre_fused(
+            X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn=False, mix=mix
+        )
         return xn, post, Branch(X.device, lambda: _sinkhorn(logits, iters, hc_eps), lane=2)
-    xn, post, comb = hc_pre_norm(X, fn, scale, base, norm, iters, rms_eps, hc_eps)
+    xn, post, comb = hc_pre_norm(X, fn, scale, base, norm, iters, rms_eps, hc_eps, mix)
     return xn, post, Branch.ready(comb)
+
+
+# The HC post and the next HC site's mixing partials in one launch (ds4.kernels.fused.hc_post_mix: 85 launches
+# a token fewer, X' not read again for them; the same K splits as the separate kernel's). Built without a
+# GPU (session 17), not yet timed: off. Env DS4_HC_POST_MIX=1: on.
+HC_POST_MIX = os.environ.get("DS4_HC_POST_MIX", "0") == "1"
+
+
+def hc_post_mix(f, X, post, comb, parts, next_fn):
+    """(X', mix): hc_post(f, X, post, comb, parts), and with HC_POST_MIX and a next HC site (its mixing
+    projection next_fn [M, S*d]) that site's mixing partials of X' for hc_pre_branch(..., mix=); else None."""
+    if TRITON_FUSED and HC_POST_MIX and next_fn is not None:
+        return _kf.hc_post_mix(f, X, post, comb, parts, next_fn)
+    return hc_post(f, X, post, comb, parts), None
 
 
 def hc_post(f, X, post, comb, parts=None):

@@ -212,9 +212,17 @@ class CudaModel:
         X = self._embed(token)
         slot = torch.zeros_like(pos)  # the single state is slot 0 of a one-slot pool for the decode kernels
         with step_memo():
-            for blk, kv in zip(self.layers, state.layers, strict=True):
-                X = decode_layer_batch(blk, kv.as_pool(), X, token, pos, slot, bound)
+            X = self._decode_layers(X, [kv.as_pool() for kv in state.layers], token, pos, slot, bound)
         return self.logits(X)
+
+    def _decode_layers(self, X, kvs, token, pos, slot, bound):
+        """X through every layer's decode step (kvs: the pool layers); each layer's last HC post may hand
+        the next layer its mixing partials (batch.decode_layer_batch)."""
+        mix = None
+        for i, (blk, kv) in enumerate(zip(self.layers, kvs, strict=True)):
+            nxt = self.layers[i + 1].w.hc_attn.fn if i + 1 < len(self.layers) else None
+            X, mix = decode_layer_batch(blk, kv, X, token, pos, slot, bound, mix, nxt)
+        return X
 
     def _decode(self, state: DeviceKVState, token: int) -> torch.Tensor:
         runner = self.runner(state)
@@ -264,8 +272,7 @@ class CudaModel:
         slot, token, pos = inputs[0], inputs[1], inputs[2]
         X = self._embed(token)  # [B, S, d]
         with step_memo():
-            for blk, kv in zip(self.layers, pool.layers, strict=True):
-                X = decode_layer_batch(blk, kv, X, token, pos, slot, bound)
+            X = self._decode_layers(X, pool.layers, token, pos, slot, bound)
         return self.logits(X)
 
     @torch.inference_mode()
