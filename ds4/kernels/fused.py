@@ -378,9 +378,9 @@ def hc_pre_fused(
     warps = (rows and HC_FINISH_ROWS_WARPS) or HC_FINISH_WARPS or (16 if BD >= 4096 else 4)
     BNS = min(max(1, HC_FINISH_BNS), triton.next_power_of_2(NS))
     if B and S == 4 and BD >= d and HC_FINISH_SCALAR and sinkhorn:
-        mix = torch.empty(B, BM, device=X.device, dtype=torch.float32)
+        logits = torch.empty(B, BM, device=X.device, dtype=torch.float32)  # the row's mixing logits
         _hc_pre_finish4[(B,)](
-            X, pmix, pss, mix, scale.float().contiguous(), base.float().contiguous(),
+            X, pmix, pss, logits, scale.float().contiguous(), base.float().contiguous(),
             norm if norm is not None else x, x, post, comb, d, NS, iters, float(rms_eps), float(hc_eps),
             HAS_NORM=norm is not None, BM=BM, BD=BD, BNS=BNS, launch_pdl=PDL, num_warps=warps,
         )  # fmt: skip
@@ -488,8 +488,7 @@ def hc_post_mix(
     if not _use_triton(X):
         out = ref.hc_post_fused(f, X, post, comb, parts)
         return out, ref.mix_partials(out, fn, HC_CHUNK, mix_width(fn.shape[0]))
-    out, mix = _hc_post_launch(f, X, post, comb, parts, fn)
-    return out, mix
+    return _hc_post_launch(f, X, post, comb, parts, fn)
 
 
 def _hc_post_launch(f, X, post, comb, parts, fn):
