@@ -483,7 +483,7 @@ def hc_post_mix(
     """hc_post_fused, and in the same launch the next HC site's mixing partials of X' (fn [M, S*d] that
     site's projection): (X', (pmix, pss)) for hc_pre_fused(..., mix=): one launch fewer per site boundary,
     X' not re-read for them. The splits are _hc_mix_partial's (HC_CHUNK wide)."""
-    B, S, d = X.shape
+    _, S, d = X.shape
     _check(fn.ndim == 2 and fn.shape[1] == S * d, f"hc_post_mix: fn must be [M, {S * d}]")
     if not _use_triton(X):
         out = ref.hc_post_fused(f, X, post, comb, parts)

@@ -289,20 +289,11 @@ def hc_pre_fused(
     post = 2 * torch.sigmoid(mix[:, S : 2 * S] * scale[1] + base[S : 2 * S])
     c = (mix[:, 2 * S :] * scale[2] + base[2 * S :]).reshape(B, S, S)
     x = (pre[:, :, None] * X.float()).sum(1)
-    return (
-        (x if norm is None else _rms(x, rms_eps) * norm.float()),
-        post,
-        _sinkhorn(c, iters, hc_eps) if sinkhorn else c,
-    )
+    if sinkhorn:
+        from ds4.model.hc import sinkhorn as normalise  # lazy: no model imports at load (see indexer_qat)
 
-
-def _sinkhorn(c, iters: int, eps: float):
-    c = c.softmax(-1) + eps
-    c = c / (c.sum(1, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(2, keepdim=True) + eps)
-        c = c / (c.sum(1, keepdim=True) + eps)
-    return c
+        c = normalise(c, iters, hc_eps)
+    return (x if norm is None else _rms(x, rms_eps) * norm.float()), post, c
 
 
 def mix_partials(X, fn, chunk: int, width: int):

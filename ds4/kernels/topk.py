@@ -154,6 +154,7 @@ def _select_kernel(score_ptr, out_ptr, n, stride, K, C: tl.constexpr, ONE: tl.co
     pdl_wait()  # the scores come from the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     row = score_ptr + b.to(tl.int64) * stride
+    dst = out_ptr + b.to(tl.int64) * K
     if ONE:
         i, valid, u = _load_chunk(row, 0, n, C)
     prefix = tl.zeros([], tl.uint32)
@@ -173,15 +174,13 @@ def _select_kernel(score_ptr, out_ptr, n, stride, K, C: tl.constexpr, ONE: tl.co
         pmask |= tl.full([], 0xFF, tl.uint32) << (24 - 8 * p)
     # prefix is now the K-th largest value; krem of the values equal to it are taken, the lowest-indexed
     if ONE:
-        _select_write(out_ptr + b.to(tl.int64) * K, i, valid, u, prefix, krem, 0, 0)
+        _select_write(dst, i, valid, u, prefix, krem, 0, 0)
     else:
         taken_eq = 0
         written = 0
         for c0 in range(0, n, C):
             i, valid, u = _load_chunk(row, c0, n, C)
-            taken_eq, written = _select_write(
-                out_ptr + b.to(tl.int64) * K, i, valid, u, prefix, krem, taken_eq, written
-            )
+            taken_eq, written = _select_write(dst, i, valid, u, prefix, krem, taken_eq, written)
 
 
 @triton.jit
@@ -209,7 +208,7 @@ def select_rows(score: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty(B, k, dtype=torch.int64, device=score.device)
     one = n <= SELECT_REG_MAX
     C = triton.next_power_of_2(n) if one else SELECT_CHUNK
-    warps = SELECT_WARPS if C <= 4096 else 16
+    warps = SELECT_WARPS if C <= SELECT_CHUNK else 16  # 16 scores a thread up to C = SELECT_CHUNK
     _select_kernel[(B,)](score, out, n, score.stride(0), k, C=C, ONE=one, num_warps=warps, launch_pdl=PDL)
     return out
 
