@@ -222,21 +222,21 @@ def _index_case(B, Hi, Di, S, cap, counts, seed, qat: bool = True):
     return qi, wts, rows, slot, count
 
 
-def _index_oracle(qi, wts, rows, slot, count):
+def _index_oracle(qi, wts, rows, slot, count, wscale: float = 1.0):
     per_head = torch.einsum("bhd,bcd->bhc", qi.double(), rows.double()[slot]).relu()
-    score = (per_head * wts.double()[:, :, None]).sum(1)
+    score = (per_head * (wts.double() * wscale)[:, :, None]).sum(1)
     return score.masked_fill(torch.arange(rows.shape[1])[None, :] >= count[:, None], float("-inf"))
 
 
-def _check_index(args) -> None:
-    want = _index_oracle(*args)
-    got = attend.indexer_scores(*(a.to(DEVICE) for a in args)).cpu()
+def _check_index(args, wscale: float = 1.0) -> None:
+    want = _index_oracle(*args, wscale)
+    got = attend.indexer_scores(*(a.to(DEVICE) for a in args), wscale).cpu()
     assert got.shape == want.shape and got.dtype == torch.float32
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
     fin = torch.isfinite(want)
     if fin.any():
         assert _max_rel(got[fin], want[fin]) < 1e-5
-    twin = attend.indexer_scores_ref(*args)
+    twin = attend.indexer_scores_ref(*args, wscale)
     assert torch.equal(torch.isinf(twin), torch.isinf(want))
     assert not fin.any() or _max_rel(twin[fin], want[fin]) < 1e-5
 
@@ -248,6 +248,12 @@ def test_indexer_scores_tiny(counts) -> None:
 
 def test_indexer_scores_odd_heads() -> None:
     _check_index(_index_case(2, 3, 20, 3, 45, [45, 17], seed=9))
+
+
+def test_indexer_scores_weight_scale() -> None:
+    """The head weights' constant scale applied in the kernel (the decode step's 1 / sqrt(Di Hi))."""
+    _check_index(_index_case(2, 4, 32, 2, 40, [40, 23], seed=11), wscale=0.03125)
+    _check_index(_index_case(2, 4, 32, 2, 40, [40, 23], seed=11), wscale=-3.0)  # sign flips the ReLU's sum
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -104,6 +104,31 @@ def test_hc_pre_fused_finish_tiles(monkeypatch, bd: int, d: int, with_norm: bool
     _check_hc_pre(2, 4, d, torch.float32, with_norm, seed=d + bd)
 
 
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize(
+    ("B", "d", "bd"), [(1, 512, 4096), (3, 768, 4096), (2, 512, 128)], ids=["1", "3", "2pass"]
+)
+def test_hc_pre_fused_quant_out(monkeypatch, terms: int, B: int, d: int, bd: int) -> None:
+    """quant_out: x's Q8_K planes from the finish launch (one tile; d = 768: a padded tile of 1024) or after
+    it (two passes), bit-equal to quantize_q8k of the x it returns (the routed experts' input); x itself
+    unchanged by asking for them."""
+    monkeypatch.setattr(fused, "HC_FINISH_BD", bd)
+    X, fn, scale, base = _hc_inputs(B, 4, d, torch.float16, seed=d + B)
+    X[:, :, :256] *= 1e3  # blocks of very different amax
+    norm = torch.rand(d, generator=_gen(d)) + 0.5
+    dev = [t.to(DEVICE) for t in (X, fn, scale, base, norm)]
+    q = torch.full((terms, B, d), 99, dtype=torch.int8, device=DEVICE)
+    dq = torch.full((B, d // 256), -1.0, device=DEVICE)
+    x, _, _ = fused.hc_pre_fused(*dev[:4], 20, EPS, EPS, dev[4], sinkhorn=False, quant_out=(q, dq))
+    plain, _, _ = fused.hc_pre_fused(*dev[:4], 20, EPS, EPS, dev[4], sinkhorn=False)
+    assert torch.equal(x, plain)
+    wq, wd = ref.quantize_q8k(x.cpu(), terms)
+    assert torch.equal(q.cpu(), wq) and torch.equal(dq.cpu(), wd)
+    assert int((wq[0] != 0).sum()) > B * d // 2  # the planes hold values
+    with pytest.raises(ValueError, match="quant_out must be"):
+        fused.hc_pre_fused(*dev[:4], 20, EPS, EPS, dev[4], quant_out=(q[:, :, :256], dq))
+
+
 @pytest.mark.parametrize(("B", "S", "d"), [(70, 3, 200), (64, 4, 64)], ids=["partial-tiles", "exact"])
 def test_hc_pre_fused_row_tiles(monkeypatch, B: int, S: int, d: int) -> None:
     """The prefill mixing projection (_hc_mix_rows, from HC_ROWS_MIN rows): partial row tiles and a partial
@@ -289,6 +314,33 @@ def test_kv_norm_rope_fp8_into_rows() -> None:
         fused.kv_norm_rope_fp8(*dev, EPS, ring)
     with pytest.raises(ValueError, match="rows must be"):
         fused.kv_norm_rope_fp8(*dev, EPS, ring, rows[:2])
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_qa_kv_norm_rope_fp8(B: int) -> None:
+    """The q_a norm in the kv row's launch: qa and kv as column slices of one [B, Dq + D] buffer (the merged
+    q_a + kv matvec's output); the ring rows bit-equal to kv_norm_rope_fp8 alone, qn within f32 rounding of
+    rms_norm's float64 value."""
+    Dq, D, R = 96, 192, 64
+    g = _gen(90 + B)
+    both = torch.randn(B, Dq + D, generator=g) * 3.0
+    qw, kvw = torch.rand(Dq, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5
+    pos, inv = _positions(B, 91), rope_inv_freq(R, 10000.0)
+    both_d, qw_d, kvw_d, pos_d, inv_d = (t.to(DEVICE) for t in (both, qw, kvw, pos, inv))
+    qa, kv = both_d.split([Dq, D], dim=1)
+    rows = torch.tensor([5, 1, 3][:B], device=DEVICE)
+    ring = torch.full((6, D), 7.0, device=DEVICE)
+    qn, out = fused.qa_kv_norm_rope_fp8(qa, qw_d, kv, kvw_d, pos_d, inv_d, EPS, ring, rows)
+    assert out is ring and qn.shape == (B, Dq) and qn.dtype == torch.float32
+    assert torch.equal(ring[rows], fused.kv_norm_rope_fp8(kv.contiguous(), kvw_d, pos_d, inv_d, EPS))
+    want = rms_norm(both[:, :Dq].double(), qw.double(), EPS)
+    assert _max_rel(qn.cpu(), want) < 1e-6
+    twin, _ = ref.qa_kv_norm_rope_fp8(
+        both[:, :Dq], qw, both[:, Dq:], kvw, pos, inv, EPS, ring.cpu(), rows.cpu()
+    )
+    assert _max_rel(twin, want) < 1e-6
+    with pytest.raises(ValueError, match="qa_weight must have"):
+        fused.qa_kv_norm_rope_fp8(qa, qw_d[1:], kv, kvw_d, pos_d, inv_d, EPS, ring, rows)
 
 
 # (value after the scale, its E4M3 round-to-nearest-even result): ties go to the even mantissa, subnormals

@@ -510,6 +510,20 @@ def test_moe_int8_kernels(cfg):
     assert 1e-6 < rel_err(got, ref.moe_down(mid, weights, wd, ids)) < INT8_TOL[cfg.terms]
 
 
+@pytest.mark.parametrize("terms", [1, 2])
+def test_moe_gate_up_given_planes(terms):
+    """xq (the HC finish's Q8_K planes of x): the kernel reads them instead of quantizing x, so planes from
+    quantize_q8k change no bit and other planes change the result; wrong shapes are refused."""
+    wg, wu, _, ids, x, _, _ = _int8_case(16, 512, 71)
+    cfg = moe.MoeConfig(16, 1, 4, int8=True, terms=terms)
+    want = moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg)
+    q, d = moe.quantize_q8k(x, terms)
+    assert torch.equal(moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg, xq=(q, d)), want)
+    assert rel_err(moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg, xq=(q, d * 2)), want) > 1e-3
+    with pytest.raises(ValueError, match="Q8_K planes must be"):
+        moe.moe_gate_up(x, wg, wu, ids, 1.0, cfg, xq=(q[:, :2], d))
+
+
 @triton.jit
 def _sign_bits_kernel(s_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)

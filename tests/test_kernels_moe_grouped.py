@@ -136,6 +136,19 @@ def test_grouped_decode_variants_change_no_bit(variant):
     assert torch.equal(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg), want)
 
 
+def test_grouped_gate_up_given_planes():
+    """xq (the HC finish's Q8_K planes of x) read instead of quantizing x: quantize_q8k's planes change no
+    bit, other planes change the result, through moe_routed_grouped too."""
+    wg, wu, wd, ids, x, _, weights = _case(256, 256, 16, IDS, 81)  # F = K: mid feeds the down stack
+    cfg = CONFIGS[0]
+    q, d = moe_grouped.quantize_q8k(x, cfg.terms)
+    want = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg)
+    assert torch.equal(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg, xq=(q, d)), want)
+    assert rel_err(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg, xq=(q, d * 2)), want) > 1e-3
+    full = moe_grouped.moe_routed_grouped(x, ids, weights, wg, wu, wd, 1.0, cfg)
+    assert torch.equal(moe_grouped.moe_routed_grouped(x, ids, weights, wg, wu, wd, 1.0, cfg, xq=(q, d)), full)
+
+
 @pytest.mark.parametrize("pair_down", [False, True])
 def test_routed_grouped_other_ranks_experts_add_nothing(pair_down):
     """Ids outside [0, E) (here 7 and -1) give zero mid rows and no down contribution, through the grouped

@@ -7,7 +7,7 @@ f32; ids are read on the device (no host syncs: CUDA-graph capturable once the k
   packing.pack(raw, qtype, shape) -> PackedWeight; packing.unpack(pw) -> f32 (bit-exact dequant)
   matvec.qmatvec(x [B, K], W [N, K]) -> [B, N]                 decode; f32-exact, or bf16 MMA if x bf16, B > 4
   matvec.qmatvec_grouped(x [B, G, K], W [G, N, K]) -> [B, G, N]  per-group matrices (attention o_a)
-  moe.moe_gate_up(x [B, K], Wg, Wu [E, F, K], ids [B, k], clamp) -> mid [B, k, F]   unweighted SwiGLU
+  moe.moe_gate_up(x [B, K], Wg, Wu [E, F, K], ids [B, k], clamp[, xq]) -> mid [B, k, F]  unweighted SwiGLU
   moe.moe_down(mid [B, k, F], weights [B, k], Wd [E, D, F], ids) -> [B, D]       router weights applied here
   moe.group_by_expert(ids [T, k], E) -> (order [T*k], offsets [E+1])             for the grouped GEMM
   matmul.qmatmul(x [M, K], W [N, K]) -> [M, N]                 prefill; bf16 tensor cores
@@ -17,10 +17,11 @@ f32; ids are read on the device (no host syncs: CUDA-graph capturable once the k
   matvec.hmatvec(x [B, K], W [N, K] f16/bf16) -> [B, N]       decode side matrices (compressor, router, ...)
   gemm.linear_f32(x [M, K], W [N, K] f32) -> [M, N]            prefill's f32 matrices; tf32x3 tensor cores
   attend.attend_decode(q [B, H, D], pool ring / compressed rows by slot, ...) -> o [B, H, D]   decode
-  attend.indexer_scores(qi [B, Hi, Di], wts [B, Hi], rows [S, cap, Di], slot, count) -> [B, cap]
+  attend.indexer_scores(qi [B, Hi, Di], wts [B, Hi], rows [S, cap, Di], slot, count[, wscale]) -> [B, cap]
   attend_prefill.attend_prefill(q [T, H, D], raw, comp rows by index, ...) -> o [T, H, D]       prefill
   compress.compress_decode(kv, score, ape, frontiers [S, ...], rows [S, cap, h], slot, pos, ...)  in place
-  fused.*: HC pre/post, q / kv norm + RoPE (+ FP8), router top-k                              decode
+  fused.*: HC pre/post (+ x's Q8_K planes), q / kv norm + RoPE (+ FP8, + the q_a norm), router top-k  decode
+  intq.quantize_q8k(x [R, K], terms) -> (planes [T, R, K] int8, scales)  the routed experts' activations
   topk.top_rows(score [B, n], k) -> [B, k]  the indexer's top-k by tl.topk (off: slower than the sort)
 Supported weight types: F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS (row length a multiple of 256 for K-quants,
 of 16 otherwise).

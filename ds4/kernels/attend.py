@@ -126,11 +126,11 @@ def _index_operand(t: torch.Tensor) -> torch.Tensor:
     return (t.to(torch.bfloat16) if INDEX_BF16 else t).float()
 
 
-def indexer_scores_ref(qi, wts, rows, slot, count):
+def indexer_scores_ref(qi, wts, rows, slot, count, wscale: float = 1.0):
     """Torch twin of indexer_scores (same signature and result)."""
     r = _index_operand(rows.index_select(0, slot))  # [B, cap, Di]
     score = torch.einsum("bhd,bcd->bhc", _index_operand(qi), r).relu()
-    score = torch.einsum("bhc,bh->bc", score, wts.float())
+    score = torch.einsum("bhc,bh->bc", score, wts.float() * wscale)
     cap = rows.shape[1]
     return score.masked_fill(torch.arange(cap, device=count.device)[None, :] >= count[:, None], float("-inf"))
 
@@ -346,13 +346,14 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
 
 @triton.jit
 def _indexer_kernel(
-    qi_ptr, w_ptr, rows_ptr, slot_ptr, count_ptr, out_ptr, Hi, Di, cap,
+    qi_ptr, w_ptr, rows_ptr, slot_ptr, count_ptr, out_ptr, Hi, Di, cap, wscale,
     BH: tl.constexpr, BC: tl.constexpr, BCI: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
     BF16: tl.constexpr,
 ):  # fmt: skip
     """Program (b, block of BC rows): the row's query held once, its rows scored BCI at a time (a wider
     FMA dot spills on sm_90). Sub-blocks wholly past count[b] read nothing and store -inf. BF16: bf16
-    operands on the tensor cores (exact for the QAT'd values, see INDEX_BF16), else PREC."""
+    operands on the tensor cores (exact for the QAT'd values, see INDEX_BF16), else PREC. The head weights
+    are scaled by wscale on load (the torch multiply before the launch, folded in)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     count = tl.minimum(tl.load(count_ptr + b).to(tl.int32), cap)
@@ -364,7 +365,7 @@ def _indexer_kernel(
     qi = tl.load(qi_ptr + (b * Hi + h)[:, None] * Di + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
     if BF16:
         qi = qi.to(tl.bfloat16)
-    wts = tl.load(w_ptr + b * Hi + h, mask=hm, other=0.0)
+    wts = tl.load(w_ptr + b * Hi + h, mask=hm, other=0.0) * wscale
     for k in range(0, BC // BCI):  # a loop, not unrolled: unrolled, ptxas spills
         c0 = tl.program_id(1) * BC + k * BCI
         c = c0 + tl.arange(0, BCI)
@@ -440,10 +441,16 @@ def attend_decode(
 
 
 def indexer_scores(
-    qi: torch.Tensor, wts: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, count: torch.Tensor
+    qi: torch.Tensor,
+    wts: torch.Tensor,
+    rows: torch.Tensor,
+    slot: torch.Tensor,
+    count: torch.Tensor,
+    wscale: float = 1.0,
 ) -> torch.Tensor:
-    """qi [B, Hi, Di] (RoPE'd + QAT'd), wts [B, Hi], rows [S, cap, Di] read at slot [B], count [B] visible
-    rows -> scores [B, cap] f32 (-inf past count)."""
+    """qi [B, Hi, Di] (RoPE'd + QAT'd), wts [B, Hi] (times wscale: the head weights' constant scale, applied
+    in the kernel instead of a launch of its own), rows [S, cap, Di] read at slot [B], count [B] visible rows
+    -> scores [B, cap] f32 (-inf past count)."""
     _check(qi.ndim == 3, f"indexer_scores: qi must be [B, Hi, Di], got {tuple(qi.shape)}")
     B, Hi, Di = qi.shape
     _check(tuple(wts.shape) == (B, Hi), f"indexer_scores: wts must be [{B}, {Hi}], got {tuple(wts.shape)}")
@@ -455,16 +462,15 @@ def indexer_scores(
     _check(tuple(slot.shape) == (B,), f"indexer_scores: slot must be [{B}], got {tuple(slot.shape)}")
     _check(tuple(count.shape) == (B,), f"indexer_scores: count must be [{B}], got {tuple(count.shape)}")
     if not _use_triton(qi):
-        return indexer_scores_ref(qi, wts, rows, slot, count)
+        return indexer_scores_ref(qi, wts, rows, slot, count, wscale)
     cap = rows.shape[1]
     out = torch.empty(B, cap, device=qi.device, dtype=torch.float32)
     if B and cap:
         _indexer_kernel[(B, triton.cdiv(cap, INDEX_BC))](
             qi.float().contiguous(), wts.float().contiguous(), rows, slot.contiguous(),
-            count.contiguous(), out, Hi, Di, cap, BH=max(16, triton.next_power_of_2(Hi)), BC=INDEX_BC,
-            BCI=INDEX_BCI, BD=max(16, triton.next_power_of_2(Di)), PREC=DOT_PRECISION, BF16=INDEX_BF16,
-            num_warps=INDEX_WARPS,
-            launch_pdl=PDL,
+            count.contiguous(), out, Hi, Di, cap, float(wscale), BH=max(16, triton.next_power_of_2(Hi)),
+            BC=INDEX_BC, BCI=INDEX_BCI, BD=max(16, triton.next_power_of_2(Di)), PREC=DOT_PRECISION,
+            BF16=INDEX_BF16, num_warps=INDEX_WARPS, launch_pdl=PDL,
         )  # fmt: skip
     return out
 

@@ -7,11 +7,13 @@ Each op mirrors CPU reference math (ds4.model.hc, norm, rope, quantsim, moe) and
 ds4/kernels/ref.py (section "Fused decode ops"), which is also the CPU path of the dispatchers below:
   hc_pre_fused     RMSNorm(no weight) . fn projection . sigmoid pre/post . Sinkhorn . weighted stream sum
                    (+ optional sublayer RMSNorm), 2 launches (split-K partial dots, per row or, from
-                   HC_ROWS_MIN rows, per row tile; then one program per row)
+                   HC_ROWS_MIN rows, per row tile; then one program per row, which can also write x's
+                   Q8_K planes for the routed experts: quant_out)
   hc_post_fused    X'[dst] = post[dst] * f + sum_src comb[src, dst] * X[src], 1 launch
   q_norm_rope      per-head RMSNorm(no weight) + RoPE on the tail, 1 launch
   o_unrope         the inverse RoPE of the attention output + the cast for its GEMM, 1 launch (prefill)
   kv_norm_rope_fp8 RMSNorm(weight) + RoPE + FP8 E4M3 round trip of the nope dims (64-blocks), 1 launch
+                   (qa_kv_norm_rope_fp8: with the q_a RMSNorm of the same rows in that launch)
   router_topk      sqrt(softplus) probs, biased top-k (ties -> lower id), normalised weights, 1 launch
 The FP8 path uses correctly rounded sqrt/division so that, given the same f32 pre-quantization values, the
 round trip is bit-exact (power-of-two scale from the exponent bits, RNE by the 2^23 magic-number trick).
@@ -30,6 +32,7 @@ from .dispatch import PDL, pdl_wait
 from .dispatch import require as _check
 from .dispatch import use_triton as _use_triton
 from .hc import sinkhorn_tile
+from .intq import dp4a_ok, q8k_block, quantize_q8k
 
 FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
@@ -78,6 +81,7 @@ HC_FINISH_BNS = int(os.environ.get("DS4_HC_FINISH_BNS", "128"))
 HC_ROWS_BK = 64  # K elements per step of its loop
 HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs
 HC_ROWS_PREC = os.environ.get("DS4_HC_ROWS_PREC", "tf32x3")
+_Q8K_TINY = tl.constexpr(ref.Q8K_TINY)  # readable inside the kernels
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -138,15 +142,31 @@ def _sum_partials(pmix_ptr, b, NS, BM: tl.constexpr, offs, mask, BNS: tl.constex
 
 
 @triton.jit
+def _q8k_row(xv, q_ptr, dq_ptr, qplane, D, TERMS: tl.constexpr, PTX: tl.constexpr, BD: tl.constexpr):
+    """A row xv [BD] (zeros past D) -> its Q8_K planes q_ptr[:D] (TERMS of them, qplane apart), scales
+    dq_ptr[:D / 256] (intq.q8k_block: the bits of a quantize_q8k launch)."""
+    NQ: tl.constexpr = BD // 256
+    q1, q2, dq = q8k_block(tl.reshape(xv, (NQ, 256)), _Q8K_TINY, TERMS, PTX)
+    off = tl.arange(0, NQ)[:, None] * 256 + tl.arange(0, 256)[None, :]
+    tl.store(q_ptr + off, q1.to(tl.int8), mask=off < D)
+    if TERMS == 2:
+        tl.store(q_ptr + qplane + off, q2.to(tl.int8), mask=off < D)
+    nq = tl.arange(0, NQ)
+    tl.store(dq_ptr + nq, dq, mask=nq < D // 256)
+
+
+@triton.jit
 def _hc_pre_finish(
     x_ptr, pmix_ptr, pss_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
     S, D, NS, iters, rms_eps, hc_eps,
     HAS_NORM: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BNS: tl.constexpr,
     ONE_PASS: tl.constexpr, SINKHORN: tl.constexpr,
+    q_ptr=None, dq_ptr=None, qplane=0, QUANT: tl.constexpr = 0, PTX: tl.constexpr = False,
 ):  # fmt: skip
     """One program per row b: mixing logits -> pre, post, comb (Sinkhorn in registers), x = sum pre X.
     ONE_PASS (BD >= D): the row as one tile, see HC_FINISH_BD. SINKHORN off: comb_ptr gets the combine
-    logits, for ds4.kernels.hc.sinkhorn (see hc_pre_fused)."""
+    logits, for ds4.kernels.hc.sinkhorn (see hc_pre_fused). QUANT (ONE_PASS, D % 256 == 0): x's Q8_K
+    planes (intq.q8k_block, QUANT terms, PTX as its) into q [QUANT, B, D] (qplane apart), dq [B, D/256]."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     K = S * D
@@ -187,6 +207,8 @@ def _hc_pre_finish(
             rn = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / D + rms_eps)
             xv = xv * rn * tl.load(norm_ptr + dd, mask=dm, other=0.0).to(tl.float32)
         tl.store(out_ptr + b * D + dd, xv, mask=dm)
+        if QUANT > 0:
+            _q8k_row(xv, q_ptr + b * D, dq_ptr + b * (D // 256), qplane, D, QUANT, PTX, BD)
         return
     sq = tl.zeros([BD], tl.float32)  # chunks of BD: written, then (norm) re-read in a second pass
     for d0 in range(0, D, BD):
@@ -346,6 +368,7 @@ def hc_pre_fused(
     norm: torch.Tensor | None = None,
     sinkhorn: bool = True,
     mix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    quant_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [B, S, d], fn [M, S*d] (f16/f32), scale [3], base [M] -> x [B, d], post [B, S], comb [B, S, S].
 
@@ -353,7 +376,9 @@ def hc_pre_fused(
     sinkhorn off: the third output is the combine logits, and comb = ds4.kernels.hc.sinkhorn(them, iters,
     hc_eps) (so that its serial 2 * iters normalisations can run beside the sublayer: only hc_post reads
     comb). mix: the mixing projection's K-split partials of X (pmix [B, NS, BM], pss [B, NS]) as
-    hc_post_mix made them with X: its launch here is skipped.
+    hc_post_mix made them with X: its launch here is skipped. quant_out (q int8 [T, B, d], dq f32 [B, d/256],
+    d % 256 == 0): filled with x's Q8_K planes, as intq.quantize_q8k(x, T) would make them, by the finish
+    launch where it holds the row in one tile (else by that launch after it).
     """
     _check(X.ndim == 3, f"hc_pre_fused: X must be [B, S, d], got {tuple(X.shape)}")
     B, S, d = X.shape
@@ -361,8 +386,21 @@ def hc_pre_fused(
     _check(tuple(fn.shape) == (M, S * d), f"hc_pre_fused: fn must be {(M, S * d)}, got {tuple(fn.shape)}")
     _check(scale.numel() == 3 and base.numel() == M, f"hc_pre_fused: scale [3], base [{M}] expected")
     _check(iters >= 1, f"hc_pre_fused: iters must be >= 1, got {iters}")
+    if quant_out is not None:
+        q, dq = quant_out
+        _check(
+            d % 256 == 0
+            and q.dtype == torch.int8
+            and q.shape[1:] == (B, d)
+            and q.is_contiguous()
+            and tuple(dq.shape) == (B, d // 256)
+            and dq.dtype == torch.float32,
+            f"hc_pre_fused: quant_out must be int8 [T, {B}, {d}] and f32 [{B}, {d // 256}]",
+        )
     if not _use_triton(X):
-        return ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn, mix)
+        x, post, comb = ref.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn, mix)
+        _quant_into(x, quant_out)
+        return x, post, comb
     X = X.contiguous()
     rows = mix is None and 0 < HC_ROWS_MIN <= B
     if mix is None:
@@ -384,15 +422,29 @@ def hc_pre_fused(
             norm if norm is not None else x, x, post, comb, d, NS, iters, float(rms_eps), float(hc_eps),
             HAS_NORM=norm is not None, BM=BM, BD=BD, BNS=BNS, launch_pdl=PDL, num_warps=warps,
         )  # fmt: skip
+        _quant_into(x, quant_out)
     elif B:
+        inline = quant_out is not None and BD >= d
+        q, dq = quant_out if inline else (x, x)
         _hc_pre_finish[(B,)](
             X, pmix, pss, scale.float().contiguous(), base.float().contiguous(),
             norm if norm is not None else x, x, post, comb,
             S, d, NS, iters, float(rms_eps), float(hc_eps),
             HAS_NORM=norm is not None, BM=BM, BS=triton.next_power_of_2(S), BD=BD,
-            BNS=BNS, ONE_PASS=BD >= d, SINKHORN=sinkhorn, launch_pdl=PDL, num_warps=warps,
+            BNS=BNS, ONE_PASS=BD >= d, SINKHORN=sinkhorn, q_ptr=q, dq_ptr=dq, qplane=B * d,
+            QUANT=q.shape[0] if inline else 0, PTX=dp4a_ok(x), launch_pdl=PDL, num_warps=warps,
         )  # fmt: skip
+        if not inline:
+            _quant_into(x, quant_out)
     return x, post, comb
+
+
+def _quant_into(x: torch.Tensor, quant_out: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """quant_out's buffers (q [T, B, d], dq) := quantize_q8k(x, T), by a launch of its own (or nothing)."""
+    if quant_out is not None and x.shape[0]:
+        q, dq = quantize_q8k(x, quant_out[0].shape[0])
+        quant_out[0].copy_(q)
+        quant_out[1].copy_(dq)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -582,22 +634,38 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _rms_row(x_ptr, w_ptr, out_ptr, DQ, eps, BDQ: tl.constexpr):
+    """out[:DQ] = RMSNorm(x[:DQ]) * w (one row, f32)."""
+    d = tl.arange(0, BDQ)
+    m = d < DQ
+    x = tl.load(x_ptr + d, mask=m, other=0.0).to(tl.float32)
+    rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), DQ * 1.0) + eps))
+    tl.store(out_ptr + d, x * rs * tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32), mask=m)
+
+
+@triton.jit
 def _kv_norm_rope_fp8_kernel(
-    kv_ptr, w_ptr, out_ptr, rows_ptr, pos_ptr, inv_ptr, D, R, eps,
+    kv_ptr, w_ptr, out_ptr, rows_ptr, pos_ptr, inv_ptr, D, R, eps, kv_stride,
+    qa_ptr, qw_ptr, qn_ptr, DQ, qa_stride,
     BD: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr,
+    BDQ: tl.constexpr = 0,
 ):  # fmt: skip
-    """Program b: row b of kv -> out row b, or (ROWS) out row rows[b]."""
+    """Program b: row b of kv (kv_stride apart) -> out row b, or (ROWS) out row rows[b]. BDQ > 0: also
+    qn row b = RMSNorm(qa row b, qa_stride apart) * qw over DQ values (the q_a norm: qa_kv_norm_rope_fp8)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
+    if BDQ > 0:
+        _rms_row(qa_ptr + b.to(tl.int64) * qa_stride, qw_ptr, qn_ptr + b.to(tl.int64) * DQ, DQ, eps, BDQ)
     dst = b * D
     if ROWS:
         dst = tl.load(rows_ptr + b).to(tl.int64) * D
+    src = b.to(tl.int64) * kv_stride
     d = tl.arange(0, BD)
-    x = tl.load(kv_ptr + b * D + d, mask=d < D, other=0.0).to(tl.float32)
+    x = tl.load(kv_ptr + src + d, mask=d < D, other=0.0).to(tl.float32)
     rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), D * 1.0) + eps))
     idx = tl.arange(0, NB)[:, None] * QB + tl.arange(0, QB)[None, :]  # [NB, QB] nope blocks
     nm = idx < D - R
-    y = tl.load(kv_ptr + b * D + idx, mask=nm, other=0.0).to(tl.float32) * rs
+    y = tl.load(kv_ptr + src + idx, mask=nm, other=0.0).to(tl.float32) * rs
     y = y * tl.load(w_ptr + idx, mask=nm, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)  # [NB]
     sb = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
@@ -607,7 +675,7 @@ def _kv_norm_rope_fp8_kernel(
     q = _round_e4m3(tl.minimum(tl.maximum(y * inv_scale, -448.0), 448.0))
     tl.store(out_ptr + dst + idx, q * scale, mask=nm)
     pos = tl.load(pos_ptr + b).to(tl.float32)
-    _rope_tail(kv_ptr, out_ptr, b * D, D, R, rs, w_ptr, pos, inv_ptr, HAS_W=True, BP=BP, dst_off=dst)
+    _rope_tail(kv_ptr, out_ptr, src, D, R, rs, w_ptr, pos, inv_ptr, HAS_W=True, BP=BP, dst_off=dst)
 
 
 def _check_rope(name: str, D: int, pos: torch.Tensor, B: int, inv_freq: torch.Tensor) -> int:
@@ -665,6 +733,16 @@ def kv_norm_rope_fp8(
     The first D - R dims get the FP8 E4M3 round trip (blocks of 64, power-of-two scales, RNE). out [M, D]
     f32 and rows [B] int64: row b is written to out[rows[b]] instead (the decode step's raw KV ring: no
     index_copy_ launch after it), and out is returned."""
+    R = _check_kv(kv, weight, pos, inv_freq, out, rows)
+    if not _use_triton(kv):
+        return ref.kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps, out, rows)
+    dst = out if out is not None else torch.empty(kv.shape, device=kv.device, dtype=torch.float32)
+    _kv_launch(kv, weight, pos, inv_freq, eps, R, dst, rows)
+    return dst
+
+
+def _check_kv(kv, weight, pos, inv_freq, out, rows) -> int:
+    """kv_norm_rope_fp8's argument checks -> R."""
     _check(kv.ndim == 2, f"kv_norm_rope_fp8: kv must be [B, D], got {tuple(kv.shape)}")
     B, D = kv.shape
     R = _check_rope("kv_norm_rope_fp8", D, pos, B, inv_freq)
@@ -677,17 +755,56 @@ def kv_norm_rope_fp8(
             f"kv_norm_rope_fp8: out must be a contiguous f32 [M, {D}], got {out.dtype} {tuple(out.shape)}",
         )
         _check(tuple(rows.shape) == (B,), f"kv_norm_rope_fp8: rows must be [{B}], got {tuple(rows.shape)}")
-    if not _use_triton(kv):
-        return ref.kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps, out, rows)
-    dst = out if out is not None else torch.empty(B, D, device=kv.device, dtype=torch.float32)
+    return R
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x [B, n] with unit column stride as is (a column slice of a wider buffer), else a contiguous copy."""
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _kv_launch(kv, weight, pos, inv_freq, eps: float, R: int, dst, rows, qa=None, qa_weight=None, qn=None):
+    """The _kv_norm_rope_fp8_kernel launch of kv_norm_rope_fp8 (qa, qa_weight, qn: qa_kv_norm_rope_fp8's)."""
+    B, D = kv.shape
+    kv = _rows_view(kv)
+    if qa is None:
+        qa, qa_weight, qn, DQ, BDQ = kv, weight, dst, 0, 0
+    else:
+        qa, DQ = _rows_view(qa), qa.shape[1]
+        BDQ = triton.next_power_of_2(DQ)
     if B:
         _kv_norm_rope_fp8_kernel[(B,)](
-            kv.contiguous(), weight.contiguous(), dst, rows.contiguous() if rows is not None else pos,
-            pos.contiguous(), inv_freq.float().contiguous(), D, R, float(eps), BD=triton.next_power_of_2(D),
+            kv, weight.contiguous(), dst, rows.contiguous() if rows is not None else pos,
+            pos.contiguous(), inv_freq.float().contiguous(), D, R, float(eps), kv.stride(0),
+            qa, qa_weight.contiguous(), qn, DQ, qa.stride(0), BD=triton.next_power_of_2(D),
             NB=triton.next_power_of_2(max(1, (D - R) // FP8_BLOCK)), QB=FP8_BLOCK,
-            BP=triton.next_power_of_2(R // 2), ROWS=rows is not None, num_warps=4, launch_pdl=PDL,
+            BP=triton.next_power_of_2(R // 2), ROWS=rows is not None, BDQ=BDQ, num_warps=4, launch_pdl=PDL,
         )  # fmt: skip
-    return dst
+
+
+def qa_kv_norm_rope_fp8(
+    qa: torch.Tensor,
+    qa_weight: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    pos: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qn [B, Dq] = rms_norm(qa, qa_weight, eps), kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps, out,
+    rows)) in one launch: the decode step's q_a norm rides on the kv row's kernel (one launch a layer fewer
+    on the step's critical path). qa / kv may be column slices of one buffer (row stride kept)."""
+    R = _check_kv(kv, weight, pos, inv_freq, out, rows)
+    what = "qa_kv_norm_rope_fp8"
+    _check(qa.ndim == 2 and qa.shape[0] == kv.shape[0], f"{what}: qa must be [B, Dq], got {tuple(qa.shape)}")
+    _check(qa_weight.numel() == qa.shape[1], f"{what}: qa_weight must have {qa.shape[1]} entries")
+    if not _use_triton(kv):
+        return ref.qa_kv_norm_rope_fp8(qa, qa_weight, kv, weight, pos, inv_freq, eps, out, rows)
+    qn = torch.empty(qa.shape, device=qa.device, dtype=torch.float32)
+    _kv_launch(kv, weight, pos, inv_freq, eps, R, out, rows, qa, qa_weight, qn)
+    return qn, out
 
 
 def qk_norm_rope_fp8(q, kv, kv_weight, pos, inv_freq, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -761,6 +878,7 @@ __all__ = [
     "hc_post_fused",
     "q_norm_rope",
     "kv_norm_rope_fp8",
+    "qa_kv_norm_rope_fp8",
     "qk_norm_rope_fp8",
     "router_topk",
 ]

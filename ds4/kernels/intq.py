@@ -49,30 +49,54 @@ def _rne_int(v):
 
 
 @triton.jit
+def _mul_rn(a, b, PTX: tl.constexpr):
+    """a * b rounded to f32 by itself: never contracted into an FMA with the add that follows it (PTX
+    mul.rn.f32 on the GPU, which the compiler does not fuse; the interpreter's numpy never fuses)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return a * b
+
+
+@triton.jit
+def q8k_block(x, TINY: tl.constexpr, TERMS: tl.constexpr, PTX: tl.constexpr):
+    """x [R, BLOCK] f32 -> (q1, q2 int32 [R, BLOCK], d f32 [R]): ref.quantize_q8k per row of BLOCK values,
+    bit for bit in any kernel (products by _mul_rn, divisions correctly rounded as torch's); TERMS 1: q2 is
+    zeros. PTX: on a GPU (dp4a_ok), else under the interpreter."""
+    amax = tl.max(tl.abs(x), axis=1)
+    big = amax >= TINY
+    safe = tl.where(big, amax, 1.0)
+    iscale = tl.where(big, tl.div_rn(127.0, safe), 0.0)  # correctly rounded, as torch
+    q = tl.minimum(tl.maximum(_rne_int(_mul_rn(x, iscale[:, None], PTX)), -127), 127)
+    if TERMS == 2:  # residual plane: x in units of amax / 32258, minus 254 q (exact: both near 254 q)
+        d = tl.where(big, tl.div_rn(amax, 32258.0), 0.0)
+        t = _mul_rn(x, tl.where(big, tl.div_rn(32258.0, safe), 0.0)[:, None], PTX) - (254 * q).to(tl.float32)
+        q2 = tl.minimum(tl.maximum(_rne_int(t), -127), 127)
+    else:
+        d = tl.where(big, tl.div_rn(amax, 127.0), 0.0)
+        q2 = q * 0
+    return q, q2, d
+
+
+@triton.jit
 def _q8k_quant_kernel(
-    x_ptr, q_ptr, d_ptr, K, stride_x, plane, TINY: tl.constexpr, TERMS: tl.constexpr, BLOCK: tl.constexpr
-):
+    x_ptr, q_ptr, d_ptr, K, stride_x, plane,
+    TINY: tl.constexpr, TERMS: tl.constexpr, BLOCK: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
     """Block program_id(1) of row program_id(0): x [R, K] (f32|bf16) -> q int8 [TERMS, R, K] (planes `plane`
-    = R * K apart), d f32 [R, K/BLOCK]; the math of ref.quantize_q8k (run without FMA contraction)."""
+    = R * K apart), d f32 [R, K/BLOCK]; the math of ref.quantize_q8k (q8k_block; also run without FMA
+    contraction)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + r * stride_x + blk * BLOCK + i).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    big = amax >= TINY
-    safe = tl.where(big, amax, 1.0)
-    iscale = tl.where(big, tl.div_rn(127.0, safe), 0.0)  # correctly rounded, as torch
-    q = tl.minimum(tl.maximum(_rne_int(x * iscale), -127), 127)
-    tl.store(q_ptr + r * K + blk * BLOCK + i, q.to(tl.int8))
-    if TERMS == 2:  # residual plane: x in units of amax / 32258, minus 254 q (exact: both near 254 q)
-        d = tl.where(big, tl.div_rn(amax, 32258.0), 0.0)
-        t = x * tl.where(big, tl.div_rn(32258.0, safe), 0.0) - (254 * q).to(tl.float32)
-        q2 = tl.minimum(tl.maximum(_rne_int(t), -127), 127)
-        tl.store(q_ptr + plane + r * K + blk * BLOCK + i, q2.to(tl.int8))
-    else:
-        d = tl.where(big, tl.div_rn(amax, 127.0), 0.0)
-    tl.store(d_ptr + r * (K // BLOCK) + blk, d)
+    q, q2, d = q8k_block(x[None, :], TINY, TERMS, PTX)
+    tl.store(q_ptr + r * K + blk * BLOCK + i[None, :], q.to(tl.int8))
+    if TERMS == 2:
+        tl.store(q_ptr + plane + r * K + blk * BLOCK + i[None, :], q2.to(tl.int8))
+    tl.store(d_ptr + r * (K // BLOCK) + blk + tl.arange(0, 1), d)
 
 
 def quantize_q8k(x: torch.Tensor, terms: int = 2, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +120,7 @@ def quantize_q8k(x: torch.Tensor, terms: int = 2, block: int = 256) -> tuple[tor
         # no FMA contraction: products must round to f32 before the additions that follow (as torch)
         _q8k_quant_kernel[(R, K // block)](
             x, q, d, K, x.stride(0), R * K,
-            TINY=ref.Q8K_TINY, TERMS=terms, BLOCK=block, num_warps=2 if block == 256 else 1,
+            TINY=ref.Q8K_TINY, TERMS=terms, BLOCK=block, PTX=dp4a_ok(x), num_warps=2 if block == 256 else 1,
             enable_fp_fusion=False, launch_pdl=PDL,
         )  # fmt: skip
     return q, d

@@ -1145,6 +1145,22 @@ def _dp4a(t: torch.Tensor, cfg: MoeConfig) -> bool:
     return dp4a_ok(t, cfg.dp4a)
 
 
+def given_q8k(
+    x: torch.Tensor, terms: int, xq: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(planes [terms, B, K], scales [B, K/256]) of x [B, K]: xq as given (checked), else quantize_q8k."""
+    if xq is None:
+        return quantize_q8k(x, terms)
+    q, d = xq
+    B, K = x.shape
+    if tuple(q.shape) != (terms, B, K) or q.dtype != torch.int8 or tuple(d.shape) != (B, K // 256):
+        raise ValueError(
+            f"Q8_K planes must be int8 [{terms}, {B}, {K}] and [{B}, {K // 256}], got {q.dtype} "
+            f"{tuple(q.shape)} and {tuple(d.shape)}"
+        )
+    return q, d
+
+
 def moe_gate_up(
     x: torch.Tensor,
     wg: PackedWeight,
@@ -1152,9 +1168,12 @@ def moe_gate_up(
     ids: torch.Tensor,
     clamp: float,
     cfg: MoeConfig | None = None,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [B, K], gate/up stacks [E, F, K], ids [B, k] -> mid [B, k, F] f32 = silu(min(g, c)) * clamp(u, -c, c)
-    with g = Wg[ids] @ x, u = Wu[ids] @ x (clamp <= 0: no clamp). Unweighted (see module doc)."""
+    with g = Wg[ids] @ x, u = Wu[ids] @ x (clamp <= 0: no clamp). Unweighted (see module doc). xq: x's Q8_K
+    planes as quantize_q8k(x, cfg.terms) makes them (the HC finish launch's, fused.hc_pre_fused quant_out),
+    for the int8 kernel: its quantization launch skipped."""
     check_weight(wg, 3, "moe_gate_up", x.device)
     check_weight(wu, 3, "moe_gate_up", x.device)
     if wg.qtype != wu.qtype or wg.shape != wu.shape:
@@ -1177,7 +1196,7 @@ def moe_gate_up(
     part = out if splits == 1 else torch.empty(splits, 2, B * k, F, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(F, cfg.bn), B * k, splits)
     if int8:
-        xq, dx = quantize_q8k(x, cfg.terms)
+        xq, dx = given_q8k(x, cfg.terms, xq)
         tab, ksm = iq2_tables(x.device, cfg.grid16, cfg.prmt)
         g, u = wg.data, wu.data
         gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes

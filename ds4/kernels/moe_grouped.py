@@ -63,6 +63,7 @@ from .moe import (
     _q2k_scales,
     _signed_words_sb,
     _split4,
+    given_q8k,
     group_by_expert,
     iq2_tables,
     moe_down_slots,
@@ -629,10 +630,11 @@ def moe_gate_up_grouped(
     clamp: float,
     cfg: GroupedConfig | None = None,
     runs: ExpertRuns | None = None,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [B, K], IQ2_XXS gate/up stacks [E, F, K], ids [B, k] -> mid [B, k, F] f32, unweighted clamped
     SwiGLU (clamp <= 0: none), = moe.moe_gate_up with MoeConfig(int8=True) up to f32 summation order; pairs
-    with ids outside [0, E) get zeros. runs: expert_runs(ids, E) if already computed."""
+    with ids outside [0, E) get zeros. runs: expert_runs(ids, E) if already computed; xq: as moe_gate_up's."""
     check_weight(wg, 3, "moe_gate_up_grouped", x.device)
     check_weight(wu, 3, "moe_gate_up_grouped", x.device)
     if wg.qtype != GGMLType.IQ2_XXS or wu.qtype != GGMLType.IQ2_XXS or wg.shape != wu.shape:
@@ -652,7 +654,7 @@ def moe_gate_up_grouped(
     if B * k == 0:
         return out
     runs = runs or expert_runs(ids, E)
-    xq, dx = quantize_q8k(x, cfg.terms)
+    xq, dx = given_q8k(x, cfg.terms, xq)
     g, u = wg.data, wu.data
     gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
     _gate_up_grouped_kernel[(triton.cdiv(F, cfg.bn_gu), B * k)](
@@ -746,12 +748,14 @@ def moe_routed_grouped(
     clamp: float,
     cfg: GroupedConfig | None = None,
     per_slot: bool = False,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The routed experts of B rows, grouped by expert: x [B, K], ids/weights [B, k] -> [B, D] f32
     = sum_j weights[b, j] * down_e(swiglu(gate_e x_b, up_e x_b)), e = ids[b, j] (outside [0, E): nothing);
-    per_slot: the [B, k, D] terms unsummed. One device sort shared by both launches."""
+    per_slot: the [B, k, D] terms unsummed; xq: x's Q8_K planes (moe.moe_gate_up's). One device sort shared
+    by both launches."""
     runs = expert_runs(ids, wg.shape[0]) if use_triton(x) else None
-    mid = moe_gate_up_grouped(x, wg, wu, ids, clamp, cfg, runs)
+    mid = moe_gate_up_grouped(x, wg, wu, ids, clamp, cfg, runs, xq)
     return moe_down_grouped(mid, weights, wd, ids, cfg, runs, per_slot)
 
 

@@ -366,6 +366,12 @@ def kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps: float, out=None, rows=None)
     return y if out is None else out.index_copy_(0, rows, y)
 
 
+def qa_kv_norm_rope_fp8(qa, qa_weight, kv, weight, pos, inv_freq, eps: float, out, rows):
+    """(rms_norm(qa, qa_weight, eps) [B, Dq], kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps, out, rows))."""
+    qn = _rms(qa.float(), eps) * qa_weight.float()
+    return qn, kv_norm_rope_fp8(kv, weight, pos, inv_freq, eps, out, rows)
+
+
 def router_topk(logits, bias, k: int, scale: float, normalize: bool = True):
     """(ids [B, k] int32, weights [B, k]): top-k of sqrt(softplus) + bias, ties to the lower id."""
     prob = torch.nn.functional.softplus(logits.float()).sqrt()

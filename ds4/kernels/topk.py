@@ -111,8 +111,9 @@ def top_rows(score: torch.Tensor, k: int) -> torch.Tensor:
 SELECT_CHUNK = 4096  # scores per pass step of a streamed row (16 a thread at SELECT_WARPS)
 SELECT_WARPS = 8
 # Rows of up to this many scores stay in registers (from 8,192 at 16 warps: 16 or 32 a thread; sm_90 build at
-# 16,384: 128 registers and 328 bytes of stack). Timed on the H200 up to 4,096 (above); 16,384 (64k ctx) only
-# built and interpreter-tested so far.
+# 16,384: 128 registers and 328 bytes of stack). H200, session 18 (bench_topk_hc.py): n = 16,384 77.6 us vs
+# 90.4 for the stable sort, but the whole model at 64k ctx with the decode step taking it (ab_decode.py
+# "select 16k") 102.64 vs 102.74 tok/s with the sort: no gain, so layer.INDEXER_SELECT_MAX stays 4,096.
 SELECT_REG_MAX = 16384
 
 
