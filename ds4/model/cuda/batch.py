@@ -43,6 +43,7 @@ from ds4.model.cuda.streams import Branch
 from ds4.model.cuda.weights import Packed, QLinear
 from ds4.model.norm import rms_norm
 from ds4.model.quantsim import indexer_qat
+from ds4.quant import GGMLType
 
 try:  # grouped expert GEMMs (tokens sorted by expert: each selected expert's weights read once per step)
     from ds4.kernels.matmul import moe_grouped
@@ -52,8 +53,9 @@ except ImportError:  # pragma: no cover - no triton
 try:  # int8 expert kernels grouped by expert (each selected expert's blocks decoded once per step)
     from ds4.kernels import moe as kmoe
     from ds4.kernels import moe_grouped as kgrouped
+    from ds4.kernels.intq import quantize_q8k
 except ImportError:  # pragma: no cover - no triton
-    kmoe = kgrouped = None
+    kmoe = kgrouped = quantize_q8k = None
 
 # Rows from which the routed experts of a batched step run as grouped GEMMs over the (row, slot) pairs
 # sorted by expert (bf16 activations) instead of the gathered-expert matvec kernels, which read an expert
@@ -182,18 +184,41 @@ def _grouped_output(o, out_a, out_b, groups: int):
     return grouped_output(o, out_a, out_b, groups)
 
 
-def _routed(xf, ids, weights, m, clamp):
+def _routed_path(m, B: int) -> str:
+    """How _routed runs B rows: "grouped" (bf16 GEMMs from GROUPED_ROWS rows), "int8 grouped" (int8
+    kernels grouped by expert from MOE_GROUPED_MIN_ROWS rows), "pairs" (the gathered-expert kernels on [B]
+    rows) or "rows" (the torch Packed path, one row at a time: CPU / no kernels)."""
+    if isinstance(m.gate_exps, Packed):
+        return "rows"
+    if 0 < GROUPED_ROWS <= B and moe_grouped is not None:
+        return "grouped"
+    if 0 < MOE_GROUPED_MIN_ROWS <= B and _int8_grouped(m):
+        return "int8 grouped"
+    return "pairs"
+
+
+def _routed_terms(m, B: int) -> int:
+    """Q8_K terms in which the routed experts' int8 gate/up kernel reads its input on _routed's path for B
+    rows (that input quantized by the FFN site's HC finish, fused.hc_pre_branch), or 0: none read it."""
+    path = _routed_path(m, B)
+    if path == "int8 grouped":
+        return kgrouped.CONFIG.terms
+    int8 = path == "pairs" and kmoe is not None and kmoe.GATE_UP.int8
+    return kmoe.GATE_UP.terms if int8 and m.gate_exps.qtype == GGMLType.IQ2_XXS else 0
+
+
+def _routed(xf, ids, weights, m, clamp, xq=None):
     """Routed experts of B rows, per slot [B, k, d] (summed over the ranks, not over the slots: the HC post
-    kernel sums them, experts.reduce_slots): grouped by expert (bf16 GEMMs from GROUPED_ROWS rows, int8
-    kernels from MOE_GROUPED_MIN_ROWS rows) or the gathered-expert kernels on [B] rows; the torch Packed
-    path is one row at a time (CPU / no kernels)."""
-    if not isinstance(m.gate_exps, Packed):
-        B = xf.shape[0]
-        if 0 < GROUPED_ROWS <= B and moe_grouped is not None:
-            return _routed_grouped(xf, ids, weights, m, clamp)
-        if 0 < MOE_GROUPED_MIN_ROWS <= B and _int8_grouped(m):
-            return _routed_int8_grouped(xf, ids, weights, m, clamp)
-        return routed_decode(xf, ids, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, per_slot=True)
+    kernel sums them, experts.reduce_slots), on _routed_path's path. xq: xf's Q8_K planes in
+    _routed_terms(m, B) terms, or None."""
+    path = _routed_path(m, xf.shape[0])
+    if path == "grouped":
+        return _routed_grouped(xf, ids, weights, m, clamp)
+    if path == "int8 grouped":
+        return _routed_int8_grouped(xf, ids, weights, m, clamp, xq)
+    if path == "pairs":
+        gate, up, down = m.gate_exps, m.up_exps, m.down_exps
+        return routed_decode(xf, ids, weights, gate, up, down, clamp, per_slot=True, xq=xq)
     rows = [
         routed_decode(
             xf[b : b + 1], ids[b : b + 1], weights[b : b + 1], m.gate_exps, m.up_exps, m.down_exps, clamp,
@@ -210,7 +235,7 @@ def _int8_grouped(m) -> bool:
     )
 
 
-def _routed_int8_grouped(xf, ids, weights, m, clamp):
+def _routed_int8_grouped(xf, ids, weights, m, clamp, xq=None):
     """The int8 kernels grouped by expert: xf [B, d], ids/weights [B, k] -> per slot [B, k, d]. Expert
     parallel: the stacks hold this rank's E/N experts; other ranks' ids fall outside [0, E/N) and add nothing
     (the kernels' sentinel run). The per-slot terms are summed over the ranks (experts.reduce_slots; the
@@ -218,7 +243,7 @@ def _routed_int8_grouped(xf, ids, weights, m, clamp):
     n_local = m.gate_exps.shape[0]
     local = ids - dist.rank() * n_local if dist.active() else ids
     per_slot = kgrouped.moe_routed_grouped(
-        xf, local, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, per_slot=True
+        xf, local, weights, m.gate_exps, m.up_exps, m.down_exps, clamp, per_slot=True, xq=xq
     )
     return reduce_slots(per_slot)
 
@@ -241,6 +266,14 @@ def _routed_grouped(xf, ids, weights, m, clamp):
     return reduce_slots(per_slot.view(B, k, -1))
 
 
+def _quant_side(xf, terms: int) -> Branch:
+    """xf's Q8_K planes in `terms` terms on side lane 3, beside the router (fused.Q8K_SIDE), as a Branch; a
+    ready None (the gate/up kernel quantizes xf itself) when off, or no int8 kernel reads them."""
+    if not (terms and fused.Q8K_SIDE and quantize_q8k is not None):
+        return Branch.ready(None)
+    return Branch(xf.device, lambda: quantize_q8k(xf, terms), lane=3)
+
+
 def decode_layer_batch(blk, kv, X, tokens, pos, slot, bound: int | None = None, mix=None, next_fn=None):
     """X [B, S, d] -> (X' [B, S, d], mix) for B tokens (tokens/pos/slot [B] device tensors) over pool layer
     kv; blk: the layer (ds4.model.block.Block: cfg, il, w, shape, inv_freq; `side`, its SideMatrices, if set);
@@ -251,15 +284,17 @@ def decode_layer_batch(blk, kv, X, tokens, pos, slot, bound: int | None = None, 
     side = getattr(blk, "side", None)
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
-    xn, post, comb = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.attn_norm, *hc, mix)  # comb: a Branch
+    xn, post, comb, _ = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.attn_norm, *hc, mix)  # comb: a Branch
     o = attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq, side, bound)
     h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
     X, mix = fused.hc_post_mix(o, X, post, comb.join(), None, h.fn)
-    xf, post, comb = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.ffn_norm, *hc, mix)
+    terms = _routed_terms(m, X.shape[0])
+    xf, post, comb, xq = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.ffn_norm, *hc, mix, terms)
+    xq = _quant_side(xf, terms) if xq is None else Branch.ready(xq)
     # the shared expert on the side stream, next to the router and the routed experts (streams.Branch)
     shared = Branch(xf.device, lambda: lin(swiglu_decode(*shared_gate_up(xf, m, side), clamp), m.down_sh))
     weights, ids = route_decode(
         m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
-    routed = _routed(xf, ids, weights, m, clamp)  # [B, k, d] per slot
+    routed = _routed(xf, ids, weights, m, clamp, xq.join())  # [B, k, d] per slot
     return fused.hc_post_mix(shared.join(), X, post, comb.join(), routed, next_fn)  # output: slots + shared

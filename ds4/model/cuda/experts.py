@@ -117,15 +117,17 @@ def routed_decode(
     down: Packed,
     clamp,
     per_slot: bool = False,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [B, d], ids [B, k] (device), weights [B, k] -> [B, d]: sum_j w_j down_j(swiglu(gate_j x, up_j x));
-    per_slot: the terms [B, k, d] unsummed (reduce_slots)."""
+    per_slot: the terms [B, k, d] unsummed (reduce_slots); xq: x's Q8_K planes for the int8 kernels
+    (ds4.kernels.moe.moe_gate_up's), or None."""
     finish = reduce_slots if per_slot else combine_slots
     B, k = ids.shape
     ids, weights = local_slots(ids, weights, _n_stack(gate))
     if not isinstance(gate, Packed):  # PackedWeight stacks: the fused gather kernels
         ids32 = ids.to(torch.int32)
-        mid = kmoe.moe_gate_up(x, gate, up, ids32, clamp)  # [B, k, F]
+        mid = kmoe.moe_gate_up(x, gate, up, ids32, clamp, xq=xq)  # [B, k, F]
         # every (row, slot) pair as a row of its own: moe_down's per-pair outputs [B k, d], unsummed
         pairs = kmoe.moe_down(
             mid.reshape(B * k, 1, -1), weights.reshape(B * k, 1), down, ids32.reshape(-1, 1)

@@ -113,12 +113,17 @@ def _hc_collapse(pre, X, norm, rms_eps: float):
     return rms_norm((pre[:, :, None] * X).sum(1), norm, rms_eps)
 
 
-def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float, mix=None):
+def hc_pre_norm(
+    X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float, mix=None, quant_out=None
+):  # fmt: skip
     """HC collapse + the sublayer's RMSNorm: X [1, S, d] -> (xn [1, d], post [1, S], comb [1, S, S]).
     The Sinkhorn loop is one Triton kernel (ds4.kernels.hc) where available: inductor splits it into
-    2 * iters tiny kernels. mix: X's mixing partials from hc_post_mix (kernel path only), or None."""
+    2 * iters tiny kernels. mix: X's mixing partials from hc_post_mix (kernel path only), or None;
+    quant_out: xn's Q8_K planes (kernel path only: hc_pre_fused's), or None."""
     if TRITON_FUSED:
-        return _kf.hc_pre_fused(X, fn, scale, base, iters, rms_eps, hc_eps, norm, mix=mix)
+        return _kf.hc_pre_fused(
+            X, fn, scale, base, iters, rms_eps, hc_eps, norm, mix=mix, quant_out=quant_out
+        )
     pre, post, logits = _hc_mix(X, fn, scale, base, rms_eps, hc_eps)
     comb = _sinkhorn(logits, iters, hc_eps)
     return _hc_collapse(pre, X, norm, rms_eps), post, comb
@@ -132,21 +137,44 @@ def hc_pre_norm(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: fl
 HC_COMB_SIDE = os.environ.get("DS4_HC_COMB_SIDE", "1") != "0"
 
 
-def hc_pre_branch(X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float, mix=None):
-    """hc_pre_norm with comb as a streams.Branch: (xn, post, branch), branch.join() -> comb [B, S, S].
-    mix: as hc_pre_norm's."""
+# The routed experts' Q8_K input planes made by the FFN site's HC finish launch (kernels.fused.hc_pre_fused
+# quant_out) instead of a quantization launch of their own before the gate/up kernel: 43 launches a token
+# fewer, the same bits. Measured slower on the H200 (session 18, ab_decode.py at 4k ctx, both rounds alike):
+# 131.13 tok/s with it vs 132.52 without (x0.989): the finish, on the step's critical path, grows by more
+# than the separate launch costs (the [4096] row regrouped into [16, 256] blocks across its 16 warps). Off;
+# env DS4_Q8K_IN_FINISH=1: on. Q8K_SIDE: that launch on side lane 3 instead, beside the router (batch.py):
+# at 8k ctx 125.67 vs 125.56 tok/s (x1.001, session 18): no gain, off; env DS4_Q8K_SIDE=1: on.
+Q8K_IN_FINISH = os.environ.get("DS4_Q8K_IN_FINISH", "0") == "1"
+Q8K_SIDE = os.environ.get("DS4_Q8K_SIDE", "0") == "1"
+
+
+def hc_pre_branch(
+    X, fn, scale, base, norm, iters: int, rms_eps: float, hc_eps: float, mix=None, quant: int = 0
+):  # fmt: skip
+    """hc_pre_norm with comb as a streams.Branch: (xn, post, branch, xq), branch.join() -> comb [B, S, S].
+    mix: as hc_pre_norm's. quant > 0 (with Q8K_IN_FINISH on the kernel path): xq = xn's Q8_K planes with
+    that many terms (q int8 [quant, B, d], d [B, d/256]) as intq.quantize_q8k makes them; else None."""
+    xq = None
+    if TRITON_FUSED and quant and Q8K_IN_FINISH and X.shape[-1] % 256 == 0:
+        B, d = X.shape[0], X.shape[-1]
+        xq = (
+            torch.empty(quant, B, d, dtype=torch.int8, device=X.device),
+            torch.empty(B, d // 256, dtype=torch.float32, device=X.device),
+        )
     if TRITON_FUSED and HC_COMB_SIDE:
         xn, post, logits = _kf.hc_pre_fused(
-            X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn=False, mix=mix
+            X, fn, scale, base, iters, rms_eps, hc_eps, norm, sinkhorn=False, mix=mix, quant_out=xq
         )
-        return xn, post, Branch(X.device, lambda: _sinkhorn(logits, iters, hc_eps), lane=2)
-    xn, post, comb = hc_pre_norm(X, fn, scale, base, norm, iters, rms_eps, hc_eps, mix)
-    return xn, post, Branch.ready(comb)
+        return xn, post, Branch(X.device, lambda: _sinkhorn(logits, iters, hc_eps), lane=2), xq
+    xn, post, comb = hc_pre_norm(X, fn, scale, base, norm, iters, rms_eps, hc_eps, mix, xq)
+    return xn, post, Branch.ready(comb), xq
 
 
 # The HC post and the next HC site's mixing partials in one launch (ds4.kernels.fused.hc_post_mix: 85 launches
-# a token fewer, X' not read again for them; the same K splits as the separate kernel's). Built without a
-# GPU (session 17), not yet timed: off. Env DS4_HC_POST_MIX=1: on.
+# a token fewer, X' not read again for them; the same K splits as the separate kernel's). Measured slower on
+# the H200 (session 18, ab_decode.py at 4k ctx, both rounds alike): 121.81 vs 123.26 tok/s (x0.988); B = 1 /
+# 8 / 32 step x0.990 / x0.991 / x0.990 (batch_check.py); the batched-vs-alone check passed with it. Off; env
+# DS4_HC_POST_MIX=1: on.
 HC_POST_MIX = os.environ.get("DS4_HC_POST_MIX", "0") == "1"
 
 
@@ -199,6 +227,33 @@ def kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int, out=None, rows=N
         return _kf.kv_norm_rope_fp8(kv, kv_norm, pos, inv_freq, eps, out, rows)
     row = _kv_post(kv, kv_norm, pos, inv_freq, eps, n_rot)
     return row if out is None else out.index_copy_(0, rows, row)
+
+
+# The decode step's q_a RMSNorm inside the kv row's launch (ds4.kernels.fused.qa_kv_norm_rope_fp8: 43 launches
+# a token fewer, each on the step's critical path). H200, session 18 (ab_decode.py at 4k ctx, both rounds
+# alike): 131.13 vs 130.23 tok/s with its own launch (x1.007). Env DS4_QA_NORM_FUSED=0: a compiled launch of
+# its own.
+QA_NORM_FUSED = os.environ.get("DS4_QA_NORM_FUSED", "1") != "0"
+
+
+def qa_kv_post(qa, qa_norm, kv, kv_norm, pos, inv_freq, eps: float, n_rot: int, out, rows):
+    """rms_norm(qa, qa_norm, eps) [B, Rq], after kv_post(kv, kv_norm, ..., out, rows) has written the kv
+    rows: one launch when QA_NORM_FUSED and the kv kernel applies."""
+    if (
+        QA_NORM_FUSED
+        and TRITON_FUSED
+        and n_rot == 2 * inv_freq.numel()
+        and (kv.shape[-1] - n_rot) % FP8_BLOCK == 0
+    ):
+        return _kf.qa_kv_norm_rope_fp8(qa, qa_norm, kv, kv_norm, pos, inv_freq, eps, out, rows)[0]
+    kv_post(kv, kv_norm, pos, inv_freq, eps, n_rot, out, rows)
+    return _rms(qa, qa_norm, eps)
+
+
+@fuse(dynamic=True)
+def _rms(x, weight, eps: float):
+    """rms_norm (eager: five kernels)."""
+    return rms_norm(x, weight, eps)
 
 
 @fuse

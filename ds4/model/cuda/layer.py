@@ -18,6 +18,7 @@ Big matrices may be bfloat16 (`lin` casts the activations); KV rows, scores and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -244,12 +245,6 @@ def _xn_side(xn, side: SideMatrices | None) -> list[torch.Tensor] | None:
 # Small chains of the decode attention as one compiled kernel each when the decode step compiles
 # (fused.SWITCH: CUDA, DS4_COMPILE); dynamic shapes: one compile for B = 1, one for every larger bucket.
 @fused.fuse(dynamic=True)
-def _rms(x, weight, eps: float):
-    """rms_norm (eager: five kernels)."""
-    return rms_norm(x, weight, eps)
-
-
-@fused.fuse(dynamic=True)
 def swiglu_decode(g, u, clamp: float):
     """experts.swiglu_mid of the decode step's shared expert (eager: four kernels)."""
     return swiglu_mid(g, u, clamp)
@@ -304,45 +299,70 @@ def attention_decode_pool(
     the output projection. Serves both the single state (S = 1, its buffers [None]) and the batched step.
     bound: every pos[b] < bound (tokens), or None (see indexer_width)."""
     R, eps, W, r, D = shape.n_rot, shape.rms_eps, shape.window, shape.ratio, shape.head_dim
+    rows = None  # the compressor chain, from xn alone: beside q_a / kv / q_b (streams.Branch, COMP_SIDE)
+    if r:
+        chain = functools.partial(_compress_rows, w, shape, kv, xn, slot, pos, inv_freq, side)
+        rows = Branch(xn.device, chain, lane=3) if COMP_SIDE else Branch.ready(chain())
     if side is not None and side.qa_kv is not None and xn.shape[0] <= DECODE_ROWS:
         qa, kv_raw = qmatvec(xn, side.qa_kv).split([w.q_a_norm.numel(), D], dim=1)
     else:
         qa, kv_raw = lin(xn, w.q_a), lin(xn, w.kv)
-    qn = _rms(qa, w.q_a_norm, eps)  # [B, Rq]
+    ring, count = ring_and_count(slot, pos, W, r)  # [B] each
+    # the q_a norm [B, Rq], and the kv row into the ring
+    qn = fused.qa_kv_post(qa, w.q_a_norm, kv_raw, w.kv_norm, pos, inv_freq, eps, R, kv.raw.view(-1, D), ring)
     # the query projection on the side stream, next to the ring / compressor / indexer chain (streams.Branch)
     q = Branch(
         xn.device, lambda: fused.q_post(lin(qn, w.q_b).unflatten(-1, (shape.n_head, D)), pos, inv_freq, eps)
     )
-    ring, count = ring_and_count(slot, pos, W, r)  # [B] each
-    fused.kv_post(kv_raw, w.kv_norm, pos, inv_freq, eps, R, kv.raw.view(-1, D), ring)  # the row into the ring
     comp = top = None
     if r:
-        cw, iw = w.compressor, w.indexer
-        parts = _xn_side(xn, side) or [lin(xn, cw.kv), lin(xn, cw.gate)]
-        compress_k.compress_decode(
-            parts[0], parts[1], cw.ape, kv.comp_kv, kv.comp_score, kv.comp,
-            slot, pos, cw.norm, inv_freq, eps, R, False,
-        )  # fmt: skip
-        comp = kv.comp
-        if iw is not None:  # keep the indexer rows current (used once more than top-k rows exist)
-            ic = iw.compressor
-            if len(parts) == 2:
-                parts += [lin(xn, ic.kv), lin(xn, ic.gate), None]
-            compress_k.compress_decode(
-                parts[2], parts[3], ic.ape, kv.index_kv, kv.index_score, kv.index,
-                slot, pos, ic.norm, inv_freq, eps, R, True,
-            )  # fmt: skip
-            if kv.comp.shape[1] > shape.indexer_topk:
-                n_heads, dim = iw.proj.shape[0], ic.norm.numel()
-                qb = hmatvec(qn, side.q_b) if side is not None and side.q_b is not None else lin(qn, iw.q_b)
-                qi = fused.indexer_q_post(qb.unflatten(-1, (n_heads, dim)), pos, inv_freq)  # [B, Hi, Di]
-                wts = (lin(xn, iw.proj) if parts[4] is None else parts[4]) * (dim**-0.5 * n_heads**-0.5)
-                score = attend_k.indexer_scores(qi, wts, kv.index, slot, count)  # [B, cap]
-                n = indexer_width(score.shape[1], shape.indexer_topk, r, bound)
-                pick = _indexer_picker(n)
-                top = pick(score[:, :n], shape.indexer_topk)  # [B, k]
+        comp, iw = kv.comp, w.indexer
+        if iw is not None and kv.comp.shape[1] > shape.indexer_topk:
+            n_heads, dim = iw.proj.shape[0], iw.compressor.norm.numel()
+            qb = hmatvec(qn, side.q_b) if side is not None and side.q_b is not None else lin(qn, iw.q_b)
+            qi = fused.indexer_q_post(qb.unflatten(-1, (n_heads, dim)), pos, inv_freq)  # [B, Hi, Di]
+            wts = rows.join()  # [B, Hi] head weights, scaled in the kernel; the index rows are current
+            score = attend_k.indexer_scores(qi, wts, kv.index, slot, count, dim**-0.5 * n_heads**-0.5)
+            n = indexer_width(score.shape[1], shape.indexer_topk, r, bound)
+            pick = _indexer_picker(n)
+            top = pick(score[:, :n], shape.indexer_topk)  # [B, k]
+        rows.join()
     q = q.join()  # [B, H, D]
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
+
+
+# The decode step's compressor chain (the side half matrices of xn, the compressor and indexer-compressor
+# frontiers, the indexer head weights) on side lane 3, beside the q_a + kv matvec, the kv row, q_b and the
+# indexer query: it needs xn alone, and only the indexer scores / attention read what it writes. H200,
+# session 18 (ab_decode.py, both rounds alike): 4k ctx 131.13 vs 123.54 tok/s on the main stream (x1.061),
+# 8k 125.56 vs 118.55 (x1.059); B = 8 / 32 step at 8k 19.49 / 48.46 vs 20.21 / 49.50 ms (batch_check.py).
+# Env DS4_COMP_SIDE=0: on the main stream, in that order (the same kernels: the same results).
+COMP_SIDE = os.environ.get("DS4_COMP_SIDE", "1") != "0"
+
+
+def _compress_rows(w, shape: AttentionShape, kv, xn, slot, pos, inv_freq, side) -> torch.Tensor | None:
+    """Advance the layer's compressor frontiers (and its indexer's) by xn [B, d] at pos (pool slots slot),
+    writing the rows of completed windows -> the indexer head weights [B, Hi] (unscaled) when the indexer
+    selects (more compressed rows than its top-k), else None."""
+    R, eps = shape.n_rot, shape.rms_eps
+    cw, iw = w.compressor, w.indexer
+    parts = _xn_side(xn, side) or [lin(xn, cw.kv), lin(xn, cw.gate)]
+    compress_k.compress_decode(
+        parts[0], parts[1], cw.ape, kv.comp_kv, kv.comp_score, kv.comp,
+        slot, pos, cw.norm, inv_freq, eps, R, False,
+    )  # fmt: skip
+    if iw is None:
+        return None
+    ic = iw.compressor  # keep the indexer rows current (used once more than top-k rows exist)
+    if len(parts) == 2:
+        parts += [lin(xn, ic.kv), lin(xn, ic.gate), None]
+    compress_k.compress_decode(
+        parts[2], parts[3], ic.ape, kv.index_kv, kv.index_score, kv.index,
+        slot, pos, ic.norm, inv_freq, eps, R, True,
+    )  # fmt: skip
+    if kv.comp.shape[1] <= shape.indexer_topk:
+        return None
+    return lin(xn, iw.proj) if parts[4] is None else parts[4]
 
 
 def route_decode(w, xf, token, k: int, scale: float, normalize: bool, side: SideMatrices | None = None):
@@ -421,7 +441,8 @@ INDEXER_TOPK = os.environ.get("DS4_INDEXER_TOPK", "0") == "1"
 # order; the attention reads them as a set) instead of the stable sort's order, for rows of at most
 # INDEXER_SELECT_MAX scores (4,096: 16k ctx). H200, session 17 (ab_decode.py): 4k ctx 118.11 vs 112.94 tok/s
 # with the sort (x1.046); at 64k ctx (16,384 scores, then streamed in chunks: 5 passes over the row) 96.19
-# vs 99.52, so longer rows keep the sort (topk.SELECT_REG_MAX now keeps 16,384 in registers: not yet timed).
+# vs 99.52, so longer rows keep the sort; session 18, with 16,384 kept in registers (topk.SELECT_REG_MAX):
+# 64k ctx 102.64 vs 102.74 with the sort (ab_decode.py "select 16k"): still no gain.
 # Env DS4_INDEXER_SELECT=0: off (the sort, or TOPK_KERNEL / INDEXER_TOPK when set); DS4_INDEXER_SELECT_MAX.
 # Read when a step is built.
 INDEXER_SELECT = os.environ.get("DS4_INDEXER_SELECT", "1") == "1"
