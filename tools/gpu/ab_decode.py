@@ -35,6 +35,13 @@ Variants (each the other side of an engine default; env names in brackets):
   hc bns32        fused.HC_FINISH_BNS = 32  (DS4_HC_FINISH_BNS) the finish's partial sums in 4 chunks
   hc post mix     model.cuda.fused.HC_POST_MIX (DS4_HC_POST_MIX=1) the next HC site's mixing partials in
                   the HC post's launch
+  qa norm apart   model.cuda.fused.QA_NORM_FUSED off (DS4_QA_NORM_FUSED=0) the q_a norm as a launch of its
+                  own, not in the kv row's
+  q8k in finish   model.cuda.fused.Q8K_IN_FINISH (DS4_Q8K_IN_FINISH=1) the routed experts' Q8_K input made
+                  by the HC finish, not by a launch of its own
+  q8k side        model.cuda.fused.Q8K_SIDE (DS4_Q8K_SIDE=1) that launch on side lane 3, beside the router
+  comp main       layer.COMP_SIDE off (DS4_COMP_SIDE=0) the compressor chain on the main stream, not on side
+                  lane 3
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
@@ -92,6 +99,10 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "hc comb main": {(cfused, "HC_COMB_SIDE"): False},
     "hc bns32": {(fused, "HC_FINISH_BNS"): 32},
     "hc post mix": {(cfused, "HC_POST_MIX"): True},
+    "qa norm apart": {(cfused, "QA_NORM_FUSED"): False},
+    "q8k in finish": {(cfused, "Q8K_IN_FINISH"): True},
+    "q8k side": {(cfused, "Q8K_SIDE"): True},
+    "comp main": {(layer, "COMP_SIDE"): False},
     "topk kernel": {(layer, "TOPK_KERNEL"): True, (layer, "INDEXER_SELECT"): False},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},

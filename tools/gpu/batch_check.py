@@ -132,6 +132,10 @@ def _variants() -> dict[str, dict]:
         "hc comb main": {(cfused, "HC_COMB_SIDE"): False},  # the Sinkhorn inside the finish kernel
         "indexer sort": {(layer, "INDEXER_SELECT"): False},  # the stable sort, not the radix select
         "hc post mix": {(cfused, "HC_POST_MIX"): True},  # the next HC site's partials in the post's launch
+        "qa norm apart": {(cfused, "QA_NORM_FUSED"): False},  # the q_a norm as a launch of its own
+        "q8k in finish": {(cfused, "Q8K_IN_FINISH"): True},  # the routed experts' Q8_K input by the finish
+        "q8k side": {(cfused, "Q8K_SIDE"): True},  # ... by its own launch on side lane 3
+        "comp main": {(layer, "COMP_SIDE"): False},  # the compressor chain on the main stream
         "hc bns32": {(fused, "HC_FINISH_BNS"): 32},  # the finish's partial sums in chunks of 32 (<= 16)
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
