@@ -174,6 +174,24 @@ def test_cuda_side_stream_branches_change_no_bit(official_gguf, monkeypatch):
 
 
 @pytest.mark.cuda
+def test_cuda_prefetch_changes_no_bit(official_gguf, monkeypatch):
+    """The attention output projection prefetched into L2 (layer.PREFETCH_O_MB) changes timing only: greedy
+    tokens and the last logits are bit-identical with it on."""
+    from ds4.model.cuda import layer
+
+    model = _cached_cuda(official_gguf)
+    out = {}
+    for mb in (0, 64):
+        monkeypatch.setattr(layer, "PREFETCH_O_MB", mb)
+        st = model.new_state(96)
+        model.forward(st, list(range(100, 150)))
+        toks = model.decode_greedy(st, 7, 8).tolist()
+        out[mb] = (toks, st._runner.logits.clone())
+    assert out[0][0] == out[64][0]
+    assert torch.equal(out[0][1], out[64][1])
+
+
+@pytest.mark.cuda
 def test_cuda_hc_comb_on_side_lane(official_gguf, monkeypatch):
     """The HC combine Sinkhorn as its own launch on side lane 2 (fused.HC_COMB_SIDE) vs inside the finish
     kernel: the same normalisations (each 4-term sum maybe in another association), so the same greedy

@@ -25,6 +25,7 @@ MODULES = [
     "test_kernels_indexer_prefill.py",
     "test_kernels_gemm.py",
     "test_kernels_topk.py",
+    "test_kernels_prefetch.py",
 ]
 
 

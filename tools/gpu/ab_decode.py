@@ -42,6 +42,8 @@ Variants (each the other side of an engine default; env names in brackets):
   q8k side        model.cuda.fused.Q8K_SIDE (DS4_Q8K_SIDE=1) that launch on side lane 3, beside the router
   comp main       layer.COMP_SIDE off (DS4_COMP_SIDE=0) the compressor chain on the main stream, not on side
                   lane 3
+  prefetch o      layer.PREFETCH_O_MB = 36 (DS4_PREFETCH_O=36) o_a's blocks requested into L2 before the
+                  attention kernels; "prefetch o48": 48 MB (o_a, then the start of o_b)
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
@@ -103,6 +105,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8k in finish": {(cfused, "Q8K_IN_FINISH"): True},
     "q8k side": {(cfused, "Q8K_SIDE"): True},
     "comp main": {(layer, "COMP_SIDE"): False},
+    "prefetch o": {(layer, "PREFETCH_O_MB"): 36},
+    "prefetch o48": {(layer, "PREFETCH_O_MB"): 48},
     "topk kernel": {(layer, "TOPK_KERNEL"): True, (layer, "INDEXER_SELECT"): False},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},

@@ -136,6 +136,7 @@ def _variants() -> dict[str, dict]:
         "q8k in finish": {(cfused, "Q8K_IN_FINISH"): True},  # the routed experts' Q8_K input by the finish
         "q8k side": {(cfused, "Q8K_SIDE"): True},  # ... by its own launch on side lane 3
         "comp main": {(layer, "COMP_SIDE"): False},  # the compressor chain on the main stream
+        "prefetch o": {(layer, "PREFETCH_O_MB"): 36},  # o_a's blocks into L2 before the attention
         "hc bns32": {(fused, "HC_FINISH_BNS"): 32},  # the finish's partial sums in chunks of 32 (<= 16)
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},

@@ -48,8 +48,9 @@ try:  # decode attention / compressor kernels over pool-layout buffers (their to
     from ds4.kernels import attend as attend_k
     from ds4.kernels import compress as compress_k
     from ds4.kernels import topk as topk_k
+    from ds4.kernels.prefetch import prefetch_l2
 except ImportError:  # pragma: no cover - no triton
-    attend_k = compress_k = topk_k = None
+    attend_k = compress_k = topk_k = prefetch_l2 = None
 try:  # chunk prefill attention reading the gathered compressed rows in place (no [T, k, D] copies)
     from ds4.kernels.attend_prefill import attend_prefill
 except ImportError:  # pragma: no cover - no triton
@@ -328,7 +329,25 @@ def attention_decode_pool(
             top = pick(score[:, :n], shape.indexer_topk)  # [B, k]
         rows.join()
     q = q.join()  # [B, H, D]
+    if PREFETCH_O_MB and prefetch_l2 is not None:
+        _prefetch_out(w, PREFETCH_O_MB << 20)
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
+
+
+# MB of the attention output projection (o_a's packed blocks, then o_b's) requested into L2 just before the
+# decode attention kernels (ds4.kernels.prefetch: DRAM idles under the softmax / merge, 16 us a layer at
+# B = 1, and o_a's 36 MB on Flash fit the 50 MB L2), so that the matvecs after them read L2. Measured much
+# slower on the H200 (session 18, ab_decode.py at 4k ctx, both rounds alike): 116.77 tok/s with o_a's 36 MB,
+# 116.06 with 48 MB, vs 133.68 without (x0.873): +25 us a layer, more than o_a's matvec takes; why (the
+# requests crowding the attention's latency-bound loads, L2 hits not happening) is not yet profiled. 0 (off);
+# env DS4_PREFETCH_O (MB).
+PREFETCH_O_MB = int(os.environ.get("DS4_PREFETCH_O", "0"))
+
+
+def _prefetch_out(w, budget: int) -> None:
+    """prefetch_l2 of the layer's o_a then o_b packed tensors (QLinear ones only), up to budget bytes."""
+    packed = [m.packed for m in (w.out_a, w.out_b) if isinstance(m, QLinear) and m.packed is not None]
+    prefetch_l2([t for pw in packed for t in pw.data.values()], budget)
 
 
 # The decode step's compressor chain (the side half matrices of xn, the compressor and indexer-compressor
