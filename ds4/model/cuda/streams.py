@@ -1,7 +1,8 @@
-"""Two independent branches of the decode step run side by side: one on the current stream, one on a side
-stream (a CUDA graph captures the pair as a fork / join). Why: the step's kernels are 2-60 us each and most
+"""Independent branches of the decode step run side by side: the current stream and up to three side streams
+("lanes"; a CUDA graph captures each as a fork / join). Why: the step's kernels are 2-60 us each and most
 of them leave the H200's bandwidth half used (the B = 1 routed experts read at ~0.7 TB/s), so the shared
-expert next to the routed ones, or the compressor / indexer chain next to the query projection, fill gaps
+expert next to the routed ones, the query projection (lane 1) and the compressor chain (lane 3) next to
+the q_a / kv / indexer work, or the HC combine's Sinkhorn (lane 2) next to a whole sublayer, fill gaps
 that one stream leaves idle. Same kernels on the same inputs either way: the results do not change.
 
 Memory: a tensor made on the main stream and read on the side one stays referenced by the caller until the
