@@ -161,6 +161,22 @@ def test_attend_decode_fused_merge(positions, mode: str, programs: int, monkeypa
     assert cnt is not None and not cnt.any()
 
 
+@pytest.mark.parametrize("positions", TINY_POS[:4])
+@pytest.mark.parametrize("ch", [4, 8])
+def test_attend_decode_merge_chunks(positions, ch: int, monkeypatch) -> None:
+    """attend.MERGE_CH: the merge reading several key splits a step (a split count not a multiple of it)
+    gives the two-launch path's result up to f32 summation order, within the oracle's bound."""
+    monkeypatch.setattr(attend, "ATTEND_PROGRAMS", 264)  # a split per key block: many splits
+    monkeypatch.setattr(attend, "ATTEND_PREC", "ieee")
+    args = _case(3, 4, 64, 8, 5, 100, 6, 4, 8, list(positions), seed=3 + sum(positions), comp=True, idx=False)
+    assert attend._splits(3, 4, 8 + 100, attend._key_block(dense=True))[0] == 7  # 7 splits: a partial step
+    one = _run(args)
+    monkeypatch.setattr(attend, "MERGE_CH", ch)
+    got = _run(args)
+    assert _max_rel(got, one) < 1e-6
+    assert _max_rel(got, _oracle(*args)) < 1e-5
+
+
 @pytest.mark.parametrize("W,D,H,P", [(24, 32, 20, 4), (5, 48, 1, 24)])
 def test_attend_decode_odd_shapes(W: int, D: int, H: int, P: int) -> None:
     """Window not a multiple of the key block, heads not of the head block, RoPE over the whole row."""

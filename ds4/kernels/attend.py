@@ -46,6 +46,16 @@ ATTEND_BN_FMA = 16  # the FMA dots ("ieee"): at 32 keys they spill (808 B per th
 ATTEND_BN_DENSE = int(os.environ.get("DS4_ATTEND_BN_DENSE", str(ATTEND_BN)))
 ATTEND_PROGRAMS = 264
 ATTEND_WARPS = 8
+# Warps of the merge of the key splits (one program a (row, head): NS partials of a 512-wide row). Not yet
+# timed at other counts (session 18): 4; tools/gpu/ab_decode.py "merge w2" / "merge w8". Env
+# DS4_ATTEND_MERGE_WARPS.
+MERGE_WARPS = int(os.environ.get("DS4_ATTEND_MERGE_WARPS", "4"))
+# Key splits the merge reads per step (a power of two): at 1 each split's partials are a serial L2 round
+# trip of their own (B = 1 at 4k: 20 splits, two passes, ~40 trips; the H200 profile gives the merge 5.6 us
+# a call, 43 a token, on the step's critical path). Session 18 built the chunked reads (CPU tests: the same
+# sums up to f32 order); not yet timed: 1 (the old reads). tools/gpu/ab_decode.py "merge ch8". Env
+# DS4_ATTEND_MERGE_CH.
+MERGE_CH = int(os.environ.get("DS4_ATTEND_MERGE_CH", "1"))
 INDEX_BC = 64
 INDEX_BCI = 16
 INDEX_WARPS = 8
@@ -149,31 +159,36 @@ def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
 
 @triton.jit
 def _merge_heads(pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, hm, pos, NS, H, D, R,
-                 BH: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+                 BH: tl.constexpr, BP: tl.constexpr, CH: tl.constexpr = 1):  # fmt: skip
     """Merge the key splits of heads h [BH] of row b: o = sum_s e^(m_s - M) acc_s / (e^(sink - M) +
     sum_s e^(m_s - M) l_s) with M the max of the m_s and the sink, then inverse RoPE at pos on the last R
     dims; each row handled as its BP adjacent pairs (even, odd dims). Run by _attend_merge (one head per
     program) or by the last split program of a head block (FUSED_MERGE); the partials are read from L2
-    (.cg: other programs' stores), in split order."""
+    (.cg: other programs' stores), CH splits a step (MERGE_CH: fewer serial L2 round trips), in split
+    order."""
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
     big = sink
-    for k in range(0, NS):
-        big = tl.maximum(
-            big, tl.load(pm_ptr + (b * NS + k) * H + h, mask=hm, other=0.0, cache_modifier=".cg")
-        )
+    kk = tl.arange(0, CH)
+    for k0 in range(0, NS, CH):
+        km = hm[:, None] & ((k0 + kk) < NS)[None, :]  # [BH, CH]
+        m = tl.load(pm_ptr + (b * NS + k0 + kk)[None, :] * H + h[:, None], mask=km, other=float("-inf"),
+                    cache_modifier=".cg")  # fmt: skip
+        big = tl.maximum(big, tl.max(m, axis=1))
     den = tl.exp(sink - big)
     i = tl.arange(0, BP)
     im = 2 * i < D
     mask = hm[:, None] & im[None, :]
     a = tl.zeros([BH, BP], tl.float32)  # even dims
     c = tl.zeros([BH, BP], tl.float32)  # odd dims
-    for k in range(0, NS):
-        part = (b * NS + k) * H + h
-        wk = tl.exp(tl.load(pm_ptr + part, mask=hm, other=0.0, cache_modifier=".cg") - big)
-        den += wk * tl.load(pl_ptr + part, mask=hm, other=0.0, cache_modifier=".cg")
-        row = po_ptr + part[:, None] * D + 2 * i[None, :]
-        a += wk[:, None] * tl.load(row, mask=mask, other=0.0, cache_modifier=".cg")
-        c += wk[:, None] * tl.load(row + 1, mask=mask, other=0.0, cache_modifier=".cg")
+    for k0 in range(0, NS, CH):
+        km = hm[:, None] & ((k0 + kk) < NS)[None, :]  # [BH, CH]
+        part = (b * NS + k0 + kk)[None, :] * H + h[:, None]
+        wk = tl.exp(tl.load(pm_ptr + part, mask=km, other=float("-inf"), cache_modifier=".cg") - big[:, None])
+        den += tl.sum(wk * tl.load(pl_ptr + part, mask=km, other=0.0, cache_modifier=".cg"), axis=1)
+        row = po_ptr + part[:, :, None] * D + 2 * i[None, None, :]  # [BH, CH, BP]
+        m3 = km[:, :, None] & im[None, None, :]
+        a += tl.sum(wk[:, :, None] * tl.load(row, mask=m3, other=0.0, cache_modifier=".cg"), axis=1)
+        c += tl.sum(wk[:, :, None] * tl.load(row + 1, mask=m3, other=0.0, cache_modifier=".cg"), axis=1)
     a = a / den[:, None]
     c = c / den[:, None]
     jr = i - (D - R) // 2  # rotated pair index, < 0 in the nope part
@@ -278,13 +293,15 @@ def _attend_partial(
 @triton.jit
 def _attend_merge(
     pm_ptr, pl_ptr, po_ptr, sink_ptr, pos_ptr, inv_ptr, out_ptr, NS, H, D, R, BP: tl.constexpr,
+    CH: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, h): _merge_heads of one head (the second launch when the merge is not fused)."""
+    """Program (b, h): _merge_heads of one head (the second launch when the merge is not fused), CH splits a
+    step."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     b = tl.program_id(0)
     h = tl.program_id(1) + tl.arange(0, 1)  # [1]
     pos = tl.load(pos_ptr + b).to(tl.int32)
-    _merge_heads(pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, h < H, pos, NS, H, D, R, 1, BP)
+    _merge_heads(pm_ptr, pl_ptr, po_ptr, sink_ptr, inv_ptr, out_ptr, b, h, h < H, pos, NS, H, D, R, 1, BP, CH)
 
 
 def _key_block(dense: bool = False) -> int:
@@ -335,7 +352,7 @@ def _attend_triton(q, raw, slot, pos, comp, comp_idx, ratio, sinks, scale, inv_f
     if cnt is None:
         _attend_merge[(B, H)](
             pm, pl, po, sinks, pos, inv_freq, out, NS, H, D, 2 * inv_freq.numel(),
-            BP=triton.next_power_of_2(D // 2), num_warps=4, launch_pdl=PDL,
+            BP=triton.next_power_of_2(D // 2), CH=MERGE_CH, num_warps=MERGE_WARPS, launch_pdl=PDL,
         )  # fmt: skip
     return out
 

@@ -82,6 +82,13 @@ HC_ROWS_BK = 64  # K elements per step of its loop
 HC_ROWS_PROGRAMS = 1024  # K splits are chosen for about this many programs
 HC_ROWS_PREC = os.environ.get("DS4_HC_ROWS_PREC", "tf32x3")
 _Q8K_TINY = tl.constexpr(ref.Q8K_TINY)  # readable inside the kernels
+# Warps of two one-program-a-row decode kernels on the step's critical path whose work is a few reductions
+# over a short row: the router (256 logits, k rounds of max / argmin) and the kv row (512 values, 8 FP8
+# blocks, the q_a row's 1,024). At 4 warps each reduction crosses warps through shared memory behind a
+# barrier; at 1 a warp's shuffles do it, with more values a thread. Not yet timed (session 18): 4 as before;
+# tools/gpu/ab_decode.py "router w1" / "kv w1". Env DS4_ROUTER_WARPS / DS4_KV_ROW_WARPS.
+ROUTER_WARPS = int(os.environ.get("DS4_ROUTER_WARPS", "4"))
+KV_ROW_WARPS = int(os.environ.get("DS4_KV_ROW_WARPS", "4"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -778,7 +785,8 @@ def _kv_launch(kv, weight, pos, inv_freq, eps: float, R: int, dst, rows, qa=None
             pos.contiguous(), inv_freq.float().contiguous(), D, R, float(eps), kv.stride(0),
             qa, qa_weight.contiguous(), qn, DQ, qa.stride(0), BD=triton.next_power_of_2(D),
             NB=triton.next_power_of_2(max(1, (D - R) // FP8_BLOCK)), QB=FP8_BLOCK,
-            BP=triton.next_power_of_2(R // 2), ROWS=rows is not None, BDQ=BDQ, num_warps=4, launch_pdl=PDL,
+            BP=triton.next_power_of_2(R // 2), ROWS=rows is not None, BDQ=BDQ, num_warps=KV_ROW_WARPS,
+            launch_pdl=PDL,
         )  # fmt: skip
 
 
@@ -866,8 +874,7 @@ def router_topk(
         _router_kernel[(B,)](
             logits.contiguous(), bias.contiguous() if bias is not None else logits, ids, wts, E, float(scale),
             HAS_BIAS=bias is not None, NORMALIZE=normalize, K=k, BK=triton.next_power_of_2(k),
-            BE=triton.next_power_of_2(E), num_warps=4,
-            launch_pdl=PDL,
+            BE=triton.next_power_of_2(E), num_warps=ROUTER_WARPS, launch_pdl=PDL,
         )  # fmt: skip
     return ids, wts
 

@@ -42,6 +42,10 @@ Variants (each the other side of an engine default; env names in brackets):
   q8k side        model.cuda.fused.Q8K_SIDE (DS4_Q8K_SIDE=1) that launch on side lane 3, beside the router
   comp main       layer.COMP_SIDE off (DS4_COMP_SIDE=0) the compressor chain on the main stream, not on side
                   lane 3
+  router w1       fused.ROUTER_WARPS = 1 (DS4_ROUTER_WARPS=1) the router top-k in one warp (shuffles only)
+  kv w1 / kv w2   fused.KV_ROW_WARPS = 1 / 2 (DS4_KV_ROW_WARPS) the kv row (+ q_a norm) kernel's warps
+  merge ch4 / ch8 attend.MERGE_CH = 4 / 8 (DS4_ATTEND_MERGE_CH) the attention merge reading that many key
+                  splits a step; "merge w2": attend.MERGE_WARPS = 2
   prefetch o      layer.PREFETCH_O_MB = 36 (DS4_PREFETCH_O=36) o_a's blocks requested into L2 before the
                   attention kernels; "prefetch o48": 48 MB (o_a, then the start of o_b)
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
@@ -105,6 +109,12 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8k in finish": {(cfused, "Q8K_IN_FINISH"): True},
     "q8k side": {(cfused, "Q8K_SIDE"): True},
     "comp main": {(layer, "COMP_SIDE"): False},
+    "router w1": {(fused, "ROUTER_WARPS"): 1},
+    "kv w1": {(fused, "KV_ROW_WARPS"): 1},
+    "kv w2": {(fused, "KV_ROW_WARPS"): 2},
+    "merge ch4": {(attend, "MERGE_CH"): 4},
+    "merge ch8": {(attend, "MERGE_CH"): 8},
+    "merge w2": {(attend, "MERGE_WARPS"): 2},
     "prefetch o": {(layer, "PREFETCH_O_MB"): 36},
     "prefetch o48": {(layer, "PREFETCH_O_MB"): 48},
     "topk kernel": {(layer, "TOPK_KERNEL"): True, (layer, "INDEXER_SELECT"): False},

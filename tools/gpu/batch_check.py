@@ -124,7 +124,7 @@ def check(batches: list[str], steps: int) -> bool:
 
 def _variants() -> dict[str, dict]:
     """--variants: name -> {(module, attribute): value} set for a timing, the defaults restored after."""
-    from ds4.kernels import fused, matvec, moe_grouped
+    from ds4.kernels import attend, fused, matvec, moe_grouped
     from ds4.model.cuda import fused as cfused
 
     return {
@@ -137,6 +137,8 @@ def _variants() -> dict[str, dict]:
         "q8k side": {(cfused, "Q8K_SIDE"): True},  # ... by its own launch on side lane 3
         "comp main": {(layer, "COMP_SIDE"): False},  # the compressor chain on the main stream
         "prefetch o": {(layer, "PREFETCH_O_MB"): 36},  # o_a's blocks into L2 before the attention
+        "merge ch8": {(attend, "MERGE_CH"): 8},  # the attention merge reading 8 key splits a step
+        "small warps": {(fused, "ROUTER_WARPS"): 1, (fused, "KV_ROW_WARPS"): 1},  # one-warp row kernels
         "hc bns32": {(fused, "HC_FINISH_BNS"): 32},  # the finish's partial sums in chunks of 32 (<= 16)
         "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
