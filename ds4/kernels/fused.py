@@ -641,12 +641,18 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _inv_rms(x, n, eps):
+    """1 / sqrt(mean(x^2) + eps) over the n values of the row x (zeros past n), correctly rounded steps."""
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), n * 1.0) + eps))
+
+
+@triton.jit
 def _rms_row(x_ptr, w_ptr, out_ptr, DQ, eps, BDQ: tl.constexpr):
     """out[:DQ] = RMSNorm(x[:DQ]) * w (one row, f32)."""
     d = tl.arange(0, BDQ)
     m = d < DQ
     x = tl.load(x_ptr + d, mask=m, other=0.0).to(tl.float32)
-    rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), DQ * 1.0) + eps))
+    rs = _inv_rms(x, DQ, eps)
     tl.store(out_ptr + d, x * rs * tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32), mask=m)
 
 
@@ -669,7 +675,7 @@ def _kv_norm_rope_fp8_kernel(
     src = b.to(tl.int64) * kv_stride
     d = tl.arange(0, BD)
     x = tl.load(kv_ptr + src + d, mask=d < D, other=0.0).to(tl.float32)
-    rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), D * 1.0) + eps))
+    rs = _inv_rms(x, D, eps)
     idx = tl.arange(0, NB)[:, None] * QB + tl.arange(0, QB)[None, :]  # [NB, QB] nope blocks
     nm = idx < D - R
     y = tl.load(kv_ptr + src + idx, mask=nm, other=0.0).to(tl.float32) * rs

@@ -220,10 +220,16 @@ def o_post(o, pos, inv_freq, dtype: torch.dtype):
     return rope_tail(o, pos, inv_freq, inverse=True).to(dtype)
 
 
+def _kv_kernel(kv, inv_freq, n_rot: int) -> bool:
+    """Whether the kv row goes through ds4.kernels.fused's kernel: RoPE over all n_rot tail dims, whole FP8
+    blocks before them."""
+    return TRITON_FUSED and n_rot == 2 * inv_freq.numel() and (kv.shape[-1] - n_rot) % FP8_BLOCK == 0
+
+
 def kv_post(kv, kv_norm, pos, inv_freq, eps: float, n_rot: int, out=None, rows=None):
     """kv [B, D]: RMSNorm with weight, RoPE, FP8 round trip of the first D - n_rot dims; with out [M, D] and
     rows [B]: written to out[rows] (the raw KV ring; returns out)."""
-    if TRITON_FUSED and n_rot == 2 * inv_freq.numel() and (kv.shape[-1] - n_rot) % FP8_BLOCK == 0:
+    if _kv_kernel(kv, inv_freq, n_rot):
         return _kf.kv_norm_rope_fp8(kv, kv_norm, pos, inv_freq, eps, out, rows)
     row = _kv_post(kv, kv_norm, pos, inv_freq, eps, n_rot)
     return row if out is None else out.index_copy_(0, rows, row)
@@ -239,12 +245,7 @@ QA_NORM_FUSED = os.environ.get("DS4_QA_NORM_FUSED", "1") != "0"
 def qa_kv_post(qa, qa_norm, kv, kv_norm, pos, inv_freq, eps: float, n_rot: int, out, rows):
     """rms_norm(qa, qa_norm, eps) [B, Rq], after kv_post(kv, kv_norm, ..., out, rows) has written the kv
     rows: one launch when QA_NORM_FUSED and the kv kernel applies."""
-    if (
-        QA_NORM_FUSED
-        and TRITON_FUSED
-        and n_rot == 2 * inv_freq.numel()
-        and (kv.shape[-1] - n_rot) % FP8_BLOCK == 0
-    ):
+    if QA_NORM_FUSED and _kv_kernel(kv, inv_freq, n_rot):
         return _kf.qa_kv_norm_rope_fp8(qa, qa_norm, kv, kv_norm, pos, inv_freq, eps, out, rows)[0]
     kv_post(kv, kv_norm, pos, inv_freq, eps, n_rot, out, rows)
     return _rms(qa, qa_norm, eps)
