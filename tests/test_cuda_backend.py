@@ -175,14 +175,14 @@ def test_cuda_side_stream_branches_change_no_bit(official_gguf, monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_prefetch_changes_no_bit(official_gguf, monkeypatch):
-    """The attention output projection prefetched into L2 (layer.PREFETCH_O_MB) changes timing only: greedy
-    tokens and the last logits are bit-identical with it on."""
+    """Static weights prefetched into L2 at every site (layer.PREFETCH, side lane 4) change timing only:
+    greedy tokens and the last logits are bit-identical with them on."""
     from ds4.model.cuda import layer
 
     model = _cached_cuda(official_gguf)
     out = {}
     for mb in (0, 64):
-        monkeypatch.setattr(layer, "PREFETCH_O_MB", mb)
+        monkeypatch.setattr(layer, "PREFETCH", {"attn": mb, "o": mb, "ffn": mb} if mb else {})
         st = model.new_state(96)
         model.forward(st, list(range(100, 150)))
         toks = model.decode_greedy(st, 7, 8).tolist()

@@ -22,8 +22,11 @@ import triton.language as tl
 
 from .dispatch import PDL, pdl_wait
 
-PREFETCH_CHUNK = 1 << 16  # bytes per bulk prefetch (a multiple of 16)
-PREFETCH_PER = 32  # prefetches per program (one warp, one each)
+# Bytes per bulk prefetch (a multiple of 16) and prefetches per program (one warp, a thread each). Session 18
+# measured 64 KB x 32 (2 MB a program: 18 programs for 36 MB, a few SMs' copy engines doing all of it);
+# tools/gpu/bench_prefetch.py times the spread. Env DS4_PREFETCH_CHUNK_KB / DS4_PREFETCH_PER.
+PREFETCH_CHUNK = int(os.environ.get("DS4_PREFETCH_CHUNK_KB", "64")) << 10
+PREFETCH_PER = int(os.environ.get("DS4_PREFETCH_PER", "32"))
 
 
 @triton.jit
@@ -59,9 +62,15 @@ def _where(t: torch.Tensor) -> str | None:
     return None
 
 
-def prefetch_l2(tensors: list[torch.Tensor], budget: int) -> int:
+def prefetch_l2(
+    tensors: list[torch.Tensor], budget: int, chunk: int | None = None, per: int | None = None
+) -> int:
     """Request up to `budget` bytes of the tensors, in order, into L2 (one launch each; nothing where bulk
-    prefetch is not available) -> the bytes requested. Values are never changed."""
+    prefetch is not available) -> the bytes requested. Values are never changed. chunk / per: bytes per
+    request (a multiple of 16) and requests per program (a power of two), PREFETCH_CHUNK / _PER if None."""
+    chunk, per = chunk or PREFETCH_CHUNK, per or PREFETCH_PER
+    if chunk % 16 or per & (per - 1):
+        raise ValueError(f"prefetch_l2: chunk {chunk} must be a multiple of 16 and per {per} a power of two")
     done = 0
     for t in tensors:
         n = min(t.numel() * t.element_size(), budget - done) // 16 * 16
@@ -70,8 +79,8 @@ def prefetch_l2(tensors: list[torch.Tensor], budget: int) -> int:
         where = _where(t)
         if where is None:
             continue
-        _l2_prefetch_kernel[(triton.cdiv(n, PREFETCH_PER * PREFETCH_CHUNK),)](
-            t.view(torch.uint8), n, PER=PREFETCH_PER, CHUNK=PREFETCH_CHUNK, PTX=where == "gpu",
+        _l2_prefetch_kernel[(triton.cdiv(n, per * chunk),)](
+            t.view(torch.uint8), n, PER=per, CHUNK=chunk, PTX=where == "gpu",
             num_warps=1, launch_pdl=PDL,
         )  # fmt: skip
         done += n

@@ -46,8 +46,11 @@ Variants (each the other side of an engine default; env names in brackets):
   kv w1 / kv w2   fused.KV_ROW_WARPS = 1 / 2 (DS4_KV_ROW_WARPS) the kv row (+ q_a norm) kernel's warps
   merge ch4 / ch8 attend.MERGE_CH = 4 / 8 (DS4_ATTEND_MERGE_CH) the attention merge reading that many key
                   splits a step; "merge w2": attend.MERGE_WARPS = 2
-  prefetch o      layer.PREFETCH_O_MB = 36 (DS4_PREFETCH_O=36) o_a's blocks requested into L2 before the
-                  attention kernels; "prefetch o48": 48 MB (o_a, then the start of o_b)
+  prefetch o      layer.PREFETCH = {"o": 36} (DS4_PREFETCH=o=36) o_a's blocks requested into L2 before the
+                  attention kernels, on side lane 4; "prefetch o main": on the main stream (session 18's
+                  way); "prefetch o 4k": 4 KB requests (288 programs); "prefetch attn": q_a + kv and q_b
+                  (42 MB) at the layer's start; "prefetch ffn": the shared expert + router (29 MB) before
+                  the FFN's HC; "prefetch all": the three
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
@@ -73,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from ds4.bench import synthetic_model  # noqa: E402
-from ds4.kernels import attend, dispatch, fused, moe  # noqa: E402
+from ds4.kernels import attend, dispatch, fused, moe, prefetch  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
 from ds4.model.cuda import fused as cfused  # noqa: E402
 from ds4.model.cuda import layer, streams  # noqa: E402
@@ -115,8 +118,12 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "merge ch4": {(attend, "MERGE_CH"): 4},
     "merge ch8": {(attend, "MERGE_CH"): 8},
     "merge w2": {(attend, "MERGE_WARPS"): 2},
-    "prefetch o": {(layer, "PREFETCH_O_MB"): 36},
-    "prefetch o48": {(layer, "PREFETCH_O_MB"): 48},
+    "prefetch o": {(layer, "PREFETCH"): {"o": 36}},
+    "prefetch o main": {(layer, "PREFETCH"): {"o": 36}, (layer, "PREFETCH_SIDE"): False},
+    "prefetch o 4k": {(layer, "PREFETCH"): {"o": 36}, (prefetch, "PREFETCH_CHUNK"): 4096},
+    "prefetch attn": {(layer, "PREFETCH"): {"attn": 42}},
+    "prefetch ffn": {(layer, "PREFETCH"): {"ffn": 29}},
+    "prefetch all": {(layer, "PREFETCH"): {"attn": 42, "o": 36, "ffn": 29}},
     "topk kernel": {(layer, "TOPK_KERNEL"): True, (layer, "INDEXER_SELECT"): False},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},

@@ -122,6 +122,17 @@ def check(batches: list[str], steps: int) -> bool:
     return ok
 
 
+def _rows_int8(matvec) -> dict:
+    """q8_rows in mode int8 at each of its tiles (the narrow / wide ones are set apart from Q8_ROWS)."""
+    names = ("Q8_ROWS", "Q8_ROWS_NARROW", "Q8_ROWS_WIDE")
+    tiles = {k: getattr(matvec, k) for k in names}
+    return {(matvec, k): replace(cfg, mode="int8") for k, cfg in tiles.items() if cfg is not None}
+
+
+def _mv1_int8(matvec):
+    return replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)
+
+
 def _variants() -> dict[str, dict]:
     """--variants: name -> {(module, attribute): value} set for a timing, the defaults restored after."""
     from ds4.kernels import attend, fused, matvec, moe_grouped
@@ -136,11 +147,12 @@ def _variants() -> dict[str, dict]:
         "q8k in finish": {(cfused, "Q8K_IN_FINISH"): True},  # the routed experts' Q8_K input by the finish
         "q8k side": {(cfused, "Q8K_SIDE"): True},  # ... by its own launch on side lane 3
         "comp main": {(layer, "COMP_SIDE"): False},  # the compressor chain on the main stream
-        "prefetch o": {(layer, "PREFETCH_O_MB"): 36},  # o_a's blocks into L2 before the attention
+        "prefetch o": {(layer, "PREFETCH"): {"o": 36}},  # o_a's blocks into L2 before the attention
+        "prefetch all": {(layer, "PREFETCH"): {"attn": 42, "o": 36, "ffn": 29}},  # three sites, lane 4
         "merge ch8": {(attend, "MERGE_CH"): 8},  # the attention merge reading 8 key splits a step
         "small warps": {(fused, "ROUTER_WARPS"): 1, (fused, "KV_ROW_WARPS"): 1},  # one-warp row kernels
         "hc bns32": {(fused, "HC_FINISH_BNS"): 32},  # the finish's partial sums in chunks of 32 (<= 16)
-        "rows int8": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8")},
+        "rows int8": _rows_int8(matvec),  # every q8_rows tile (narrow / default / wide) in mode int8
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
         "hmv fixup": {(matvec, "HMV_LARGE"): replace(matvec.HMV_LARGE, fixup=True)},
         "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)},
@@ -165,10 +177,7 @@ def _variants() -> dict[str, dict]:
         "rows no wide": {(matvec, "Q8_ROWS_WIDE"): None},
         "rows narrow": {(matvec, "Q8_ROWS_NARROW"): replace(matvec.Q8_ROWS, **matvec.Q8_ROWS_NARROW_TILE)},
         "rows no narrow": {(matvec, "Q8_ROWS_NARROW"): None},
-        "rows int8 + mv1 int8": {
-            (matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, mode="int8"),
-            (matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE),
-        },
+        "rows int8 + mv1 int8": {**_rows_int8(matvec), (matvec, "Q8_MV1"): _mv1_int8(matvec)},
     }
 
 

@@ -30,8 +30,10 @@ from ds4.model.cuda.layer import (
     attention_decode_pool,
     grouped_output,
     indexer_width,
+    join_prefetches,
     lin,
     pool_kernels,
+    prefetch_site,
     qmatvec_grouped,
     reads_packed,
     route_decode,
@@ -284,9 +286,14 @@ def decode_layer_batch(blk, kv, X, tokens, pos, slot, bound: int | None = None, 
     side = getattr(blk, "side", None)
     hc = (cfg.hc_sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
     h = w.hc_attn
+    a = w.attn
+    merged = side is not None and side.qa_kv is not None  # q_a and kv are row views of side.qa_kv
+    prefetch_site("attn", X.device, [side.qa_kv, a.q_b] if merged else [a.q_a, a.kv, a.q_b])
     xn, post, comb, _ = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.attn_norm, *hc, mix)  # comb: a Branch
     o = attention_decode_batch(w.attn, shape, kv, xn, pos, slot, inv_freq, side, bound)
     h, m, clamp = w.hc_ffn, w.moe, cfg.swiglu_clamp[il]
+    gu = [side.shared_gu] if side is not None and side.shared_gu is not None else [m.gate_sh, m.up_sh]
+    prefetch_site("ffn", X.device, [*gu, m.down_sh, side.router if side is not None else None])
     X, mix = fused.hc_post_mix(o, X, post, comb.join(), None, h.fn)
     terms = _routed_terms(m, X.shape[0])
     xf, post, comb, xq = fused.hc_pre_branch(X, h.fn, h.scale, h.base, w.ffn_norm, *hc, mix, terms)
@@ -297,4 +304,5 @@ def decode_layer_batch(blk, kv, X, tokens, pos, slot, bound: int | None = None, 
         m, xf, tokens, cfg.n_expert_used, cfg.expert_weights_scale, cfg.expert_weights_norm, side
     )
     routed = _routed(xf, ids, weights, m, clamp, xq.join())  # [B, k, d] per slot
+    join_prefetches()
     return fused.hc_post_mix(shared.join(), X, post, comb.join(), routed, next_fn)  # output: slots + shared

@@ -329,25 +329,54 @@ def attention_decode_pool(
             top = pick(score[:, :n], shape.indexer_topk)  # [B, k]
         rows.join()
     q = q.join()  # [B, H, D]
-    if PREFETCH_O_MB and prefetch_l2 is not None:
-        _prefetch_out(w, PREFETCH_O_MB << 20)
+    prefetch_site("o", xn.device, [w.out_a, w.out_b])
     return attend_k.attend_decode(q, kv.raw, slot, pos, comp, top, r, w.sinks, D**-0.5, inv_freq)
 
 
-# MB of the attention output projection (o_a's packed blocks, then o_b's) requested into L2 just before the
-# decode attention kernels (ds4.kernels.prefetch: DRAM idles under the softmax / merge, 16 us a layer at
-# B = 1, and o_a's 36 MB on Flash fit the 50 MB L2), so that the matvecs after them read L2. Measured much
-# slower on the H200 (session 18, ab_decode.py at 4k ctx, both rounds alike): 116.77 tok/s with o_a's 36 MB,
-# 116.06 with 48 MB, vs 133.68 without (x0.873): +25 us a layer, more than o_a's matvec takes; why (the
-# requests crowding the attention's latency-bound loads, L2 hits not happening) is not yet profiled. 0 (off);
-# env DS4_PREFETCH_O (MB).
-PREFETCH_O_MB = int(os.environ.get("DS4_PREFETCH_O", "0"))
+# L2 prefetch of static weights in the decode step (ds4.kernels.prefetch): site -> MB requested there, from
+# env DS4_PREFETCH ("attn=42,o=36,ffn=27"; empty: none). Sites (decode_layer_batch / attention_decode_pool):
+#   attn  the layer's q_a + kv and q_b blocks, at the layer's start (beside the HC collapse and the kv row);
+#   o     o_a then o_b, before the attention kernels (DRAM idles under the softmax and merge);
+#   ffn   the shared expert's blocks and the router, before the FFN's HC collapse.
+# Session 18 had "o" on the main stream, with 64 KB x 32 requests a program: 116.77 tok/s with 36 MB vs 133.68
+# without at 4k ctx (x0.873; +25 us a layer): the attention waited for the prefetch kernel, whose 18
+# programs issue all of it. PREFETCH_SIDE (env DS4_PREFETCH_SIDE=0: the main stream) puts each request on
+# side lane 4, which no main-stream kernel waits for; the branches join at the layer's end.
+def _parse_prefetch(spec: str) -> dict[str, int]:
+    sites = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, mb = part.partition("=")
+        if name not in ("attn", "o", "ffn") or not mb.isdigit():
+            raise ValueError(f"DS4_PREFETCH: want site=MB with site attn|o|ffn, got {part!r}")
+        sites[name] = int(mb)
+    return sites
 
 
-def _prefetch_out(w, budget: int) -> None:
-    """prefetch_l2 of the layer's o_a then o_b packed tensors (QLinear ones only), up to budget bytes."""
-    packed = [m.packed for m in (w.out_a, w.out_b) if isinstance(m, QLinear) and m.packed is not None]
-    prefetch_l2([t for pw in packed for t in pw.data.values()], budget)
+PREFETCH = _parse_prefetch(os.environ.get("DS4_PREFETCH", ""))
+PREFETCH_SIDE = os.environ.get("DS4_PREFETCH_SIDE", "1") != "0"
+_PREFETCH_PENDING: list[Branch] = []
+
+
+def prefetch_site(site: str, device: torch.device, mats: list) -> None:
+    """Request the packed blocks of mats (QLinear / PackedWeight / tensors; others skipped), in order, up to
+    PREFETCH[site] MB into L2: on side lane 4 when PREFETCH_SIDE (joined by join_prefetches)."""
+    mb = PREFETCH.get(site, 0)
+    if not mb or prefetch_l2 is None:
+        return
+    parts = []
+    for m in mats:
+        m = m.packed if isinstance(m, QLinear) else m
+        parts += [m] if isinstance(m, torch.Tensor) else list(getattr(m, "data", {}).values())
+    if PREFETCH_SIDE:
+        _PREFETCH_PENDING.append(Branch(device, lambda: prefetch_l2(parts, mb << 20), lane=4))
+    else:
+        prefetch_l2(parts, mb << 20)
+
+
+def join_prefetches() -> None:
+    """Join the prefetch branches opened so far (a CUDA graph's capture must join every fork)."""
+    while _PREFETCH_PENDING:
+        _PREFETCH_PENDING.pop().join()
 
 
 # The decode step's compressor chain (the side half matrices of xn, the compressor and indexer-compressor
