@@ -444,3 +444,35 @@ def test_hc_post_mix_changes_no_logit(tiny_model, monkeypatch, batched: bool):
     assert float((got - want).abs().max()) <= LOGIT_TOL * float(want.abs().max())
     for a, b in zip(out[True][1], out[False][1], strict=True):
         _assert_states_close(a, b)
+
+
+def test_prefetch_sites_request_each_layers_weights(tiny_model, monkeypatch):
+    """layer.PREFETCH: each decode layer asks prefetch_l2 for its own static weights at the three sites (q_a,
+    kv, q_b / o_a, o_b / the shared expert and router) within the site's budget, and the step's logits do
+    not change (on the CPU prefetch_l2 launches nothing; here a recorder stands in for it)."""
+    from ds4.model.cuda import layer
+
+    calls: list[tuple[list[torch.Tensor], int]] = []
+    monkeypatch.setattr(layer, "prefetch_l2", lambda ts, budget: calls.append((ts, budget)) or 0)
+    out = {}
+    for sites in ({}, {"attn": 3, "o": 2, "ffn": 1}):
+        monkeypatch.setattr(layer, "PREFETCH", sites)
+        states = tiny_model.new_states(2, 40)
+        for st, n in zip(states, (21, 9), strict=True):
+            tiny_model.forward(st, [(i * 31 + n) % tiny_model.cfg.n_vocab for i in range(n)])
+        calls.clear()
+        out[bool(sites)] = tiny_model.decode_batch(states, [5, 6])
+    assert torch.equal(out[True], out[False])
+    n_layers = len(tiny_model.layers)
+    assert len(calls) == 3 * n_layers
+    for i, blk in enumerate(tiny_model.layers):
+        (attn, b1), (o, b2), (ffn, b3) = calls[3 * i : 3 * i + 3]
+        a, m = blk.w.attn, blk.w.moe
+        assert (b1, b2, b3) == (3 << 20, 2 << 20, 1 << 20)
+        assert [t.data_ptr() for t in attn] == [a.q_a.data_ptr(), a.kv.data_ptr(), a.q_b.data_ptr()]
+        assert [t.data_ptr() for t in o] == [a.out_a.data_ptr(), a.out_b.data_ptr()]
+        want = [m.gate_sh.data_ptr(), m.up_sh.data_ptr(), m.down_sh.data_ptr()]
+        assert [t.data_ptr() for t in ffn] == want
+    with pytest.raises(ValueError, match="DS4_PREFETCH"):
+        layer._parse_prefetch("o=36,head=4")
+    assert layer._parse_prefetch(" attn=42 , o=36") == {"attn": 42, "o": 36}

@@ -46,15 +46,17 @@ ATTEND_BN_FMA = 16  # the FMA dots ("ieee"): at 32 keys they spill (808 B per th
 ATTEND_BN_DENSE = int(os.environ.get("DS4_ATTEND_BN_DENSE", str(ATTEND_BN)))
 ATTEND_PROGRAMS = 264
 ATTEND_WARPS = 8
-# Warps of the merge of the key splits (one program a (row, head): NS partials of a 512-wide row). Not yet
-# timed at other counts (session 18): 4; tools/gpu/ab_decode.py "merge w2" / "merge w8". Env
-# DS4_ATTEND_MERGE_WARPS.
+# Warps of the merge of the key splits (one program a (row, head): NS partials of a 512-wide row). H200,
+# session 19 (ab_decode.py at 4k ctx): 2 warps 133.51 vs 133.27 tok/s (x1.002, noise): 4 stays;
+# tools/gpu/ab_decode.py "merge w2". Env DS4_ATTEND_MERGE_WARPS.
 MERGE_WARPS = int(os.environ.get("DS4_ATTEND_MERGE_WARPS", "4"))
 # Key splits the merge reads per step (a power of two): at 1 each split's partials are a serial L2 round
 # trip of their own (B = 1 at 4k: 20 splits, two passes, ~40 trips; the H200 profile gives the merge 5.6 us
 # a call, 43 a token, on the step's critical path). Session 18 built the chunked reads (CPU tests: the same
-# sums up to f32 order); not yet timed: 1 (the old reads). tools/gpu/ab_decode.py "merge ch8". Env
-# DS4_ATTEND_MERGE_CH.
+# sums up to f32 order); H200, session 19 (ab_decode.py at 4k ctx, 2 rounds): 4 / 8 splits a step 134.58 /
+# 133.56 vs 133.27 tok/s (x1.010 / x1.002); B = 1 / 8 / 32 steps at 8k with 8: x1.010 / x0.992 / x0.990
+# (batch_check.py). Within noise at B = 1 and slower batched: 1 stays. tools/gpu/ab_decode.py "merge ch4" /
+# "merge ch8". Env DS4_ATTEND_MERGE_CH.
 MERGE_CH = int(os.environ.get("DS4_ATTEND_MERGE_CH", "1"))
 INDEX_BC = 64
 INDEX_BCI = 16

@@ -85,7 +85,9 @@ _Q8K_TINY = tl.constexpr(ref.Q8K_TINY)  # readable inside the kernels
 # Warps of two one-program-a-row decode kernels on the step's critical path whose work is a few reductions
 # over a short row: the router (256 logits, k rounds of max / argmin) and the kv row (512 values, 8 FP8
 # blocks, the q_a row's 1,024). At 4 warps each reduction crosses warps through shared memory behind a
-# barrier; at 1 a warp's shuffles do it, with more values a thread. Not yet timed (session 18): 4 as before;
+# barrier; at 1 a warp's shuffles do it, with more values a thread. H200, session 19 (ab_decode.py at 4k ctx,
+# 2 rounds): router at 1 warp 131.13 vs 133.27 tok/s (x0.984), kv row at 1 / 2 warps 132.99 / 132.96
+# (x0.998); B = 1 / 8 / 32 steps with both at 1 warp x1.003 / x0.995 / x0.999 (batch_check.py): 4 stays.
 # tools/gpu/ab_decode.py "router w1" / "kv w1". Env DS4_ROUTER_WARPS / DS4_KV_ROW_WARPS.
 ROUTER_WARPS = int(os.environ.get("DS4_ROUTER_WARPS", "4"))
 KV_ROW_WARPS = int(os.environ.get("DS4_KV_ROW_WARPS", "4"))

@@ -459,6 +459,9 @@ class Q8Config:
 # ctx (ab_decode.py "q8 int8 bn4", session 13) 108.27 vs 105.50 tok/s, both rounds alike. Off: with it the
 # batched-vs-alone check (tools/gpu/batch_check.py, whose batched rows take q8_rows) measured 2.08e-2 of the
 # logit std at one (row, step) for B = 3, 8 and 16 (bar 2e-2; every argmax equal; 1.4e-2 without it).
+# Session 19: 130.59 vs 133.05 tok/s at 4k (x0.982: the f32 path has gained since); and with q8_rows in int8
+# too (the batched rows then dot the same x planes) the check still fails (B = 8 / 16: 2.02e-2 / 2.40e-2 at
+# one row, medians ~5e-4), so those flips do not come from the two Q8_0 paths' numerics.
 _Q8_INT8 = os.environ.get("DS4_Q8_INT8", "0") == "1"
 Q8_INT8_TILE = {"bn": 4, "tk": 1024}  # the int8 variant's tile (tools replace Q8_MV1 with it)
 Q8_MV1 = Q8Config(
@@ -866,7 +869,10 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # (batch_check.py --variants). H200, session 13 (bench_q8.py --rows, per B = 32 step, default 9.2-9.3 ms):
 # min_blocks 16 / 32 9.21 / 10.36, 5 stages 9.40, 2 / 4 blocks per iteration 9.28 / 10.13, target 528 9.42,
 # BN 32 13.85 (but B = 64: 15.11 vs 19.05), mode int8 10.88; whole B = 32 steps within 0.2 % or slower.
-# None of them is what bounds this kernel; the defaults stay.
+# None of them is what bounds this kernel; the defaults stay. Session 19, mode int8 at the 2-warp default
+# (mma.sync; sm_90 k loop 248 instructions vs tf32x2's 349): per B = 16 / 32 / 64 step 6.88 / 9.97 / 16.14
+# ms vs 5.48 / 8.56 / 12.14 (faster on q_b 33.9 vs 40.2 us and the head 364 vs 462 at B = 32, slower on the
+# grouped o_a 74.7 vs 42.9); whole B = 8 / 32 steps x0.916 / x0.967 (batch_check.py "rows int8"): off.
 # Warps: at 4 (a warpgroup) Triton 3.6 lowers the block dots to wgmma, whose B operand (x^T) must sit in
 # shared memory: per 32-block the x tile is read out of its pipeline buffer, split, written back twice
 # (fenced) and each of the two wgmmas waited for (pendings 0) before the scale, a serial chain per block

@@ -7,7 +7,9 @@ Flash, within the 50 MB L2) can be requested from DRAM while those kernels run, 
 instead of waiting on DRAM. `cp.async.bulk.prefetch.L2` asks the memory system for a byte range without
 registers, shared memory or a wait: the launch costs one short kernel, the transfer runs behind the next
 kernels. Values never change, so only timing can tell whether it pays (tools/gpu/ab_decode.py "prefetch o"):
-on the H200 it did not (session 18: x0.873 with o_a's 36 MB; model.cuda.layer.PREFETCH_O_MB stays 0).
+on the H200 it did not: session 18 x0.873 with o_a's 36 MB on the main stream; session 19 x0.975-1.004 on
+a side lane at any of model.cuda.layer.PREFETCH's sites, and tools/gpu/bench_prefetch.py found a matvec
+on prefetched blocks only ~18 % faster (the decode matvecs are not DRAM-latency-bound). Off.
 
 Legend: n bytes, CHUNK bytes per prefetch instruction, PER instructions per program (one per thread).
 """

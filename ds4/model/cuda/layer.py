@@ -341,7 +341,12 @@ def attention_decode_pool(
 # Session 18 had "o" on the main stream, with 64 KB x 32 requests a program: 116.77 tok/s with 36 MB vs 133.68
 # without at 4k ctx (x0.873; +25 us a layer): the attention waited for the prefetch kernel, whose 18
 # programs issue all of it. PREFETCH_SIDE (env DS4_PREFETCH_SIDE=0: the main stream) puts each request on
-# side lane 4, which no main-stream kernel waits for; the branches join at the layer's end.
+# side lane 4, which no main-stream kernel waits for; the branches join at the layer's end. H200, session 19
+# (ab_decode.py at 4k ctx, 2 rounds; default 132.95 tok/s): o=36 on lane 4 133.50 (x1.004), on the main
+# stream 115.85 (x0.871 again), with 4 KB requests (288 programs) 131.12, attn=42 130.90, ffn=29 132.00,
+# all three 129.68 (x0.975). And tools/gpu/bench_prefetch.py: a Q8_0 matvec whose blocks were prefetched
+# into L2 60 us earlier takes 16.3 vs 19.8 us (q_b, 35.7 MB): the decode matvecs are not bound by DRAM
+# latency, so warming L2 gains little, and the requests' DRAM traffic costs the kernels beside them. Off.
 def _parse_prefetch(spec: str) -> dict[str, int]:
     sites = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
