@@ -4,6 +4,8 @@ allocated for each context, its KV buffers filled with random rows (decode reads
 ones: the work depends on the position, not on the values) and its length set to that depth.
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/long_decode.py [ctx ...]     (default 65536 262144 1048576)
+              PYTHONPATH=. DS4_PDL=0 python3 tools/gpu/long_decode.py --profile CTX   (one eager step's
+              kernels at that depth, torch.profiler, the top 15 by CUDA time)
 
 Per context: the session's KV bytes on the device, greedy decode tok/s through the CUDA graph (median of
 REPS runs of N steps, after a capture run), and the peak GPU memory so far.
@@ -53,7 +55,28 @@ def decode_at(m, ctx: int) -> str:
     return f"{ctx:>9} {depth:>9} {kv / 1e9:8.2f} {statistics.median(runs):8.2f} {peak:8.1f}"
 
 
+def profile_at(m, ctx: int) -> None:
+    """The top kernels of one eager decode step at depth ctx - SLACK of a random-filled session."""
+    from torch.profiler import ProfilerActivity, profile
+
+    st = m.new_state(ctx)
+    for layer in st.layers:
+        for t in layer.tensors():
+            t.normal_()
+    st.n_tokens = ctx - 2 * SLACK
+    m.graphs = False
+    m.decode_greedy(st, 1000, 1)  # warm-up: compiles
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        m.decode_greedy(st, 1000, 1)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--profile"]:
+        with torch.inference_mode():
+            profile_at(bench.synthetic_model("q2"), int(sys.argv[2]))
+        return
     ctxs = [int(a) for a in sys.argv[1:]] or [65536, 262144, 1048576]
     t0 = time.perf_counter()
     m = bench.synthetic_model("q2")

@@ -37,3 +37,10 @@ if [ "$1" = c ]; then
   TAIL=10 run check "$(left)" env DS4_Q8_ROWS_MODE=int8 DS4_Q8_INT8=1 python3 tools/gpu/batch_check.py \
     --skip-time --check-batches 1,3,8,16
 fi
+# Inline calls on the warm machine after part c (as run):
+#   python3 tools/gpu/long_decode.py 65536 262144 524288 1048576
+#   for e in "X=0" "DS4_INDEXER_SELECT_MAX=1048576" "DS4_INDEXER_SELECT=0 DS4_INDEXER_TOPK=1"; do
+#     env $e python3 tools/gpu/long_decode.py 262144 1048576; done
+#   DS4_PDL=0 python3 tools/gpu/long_decode.py --profile 1048576
+#   for e in "X=0" "DS4_ATTEND_MERGE_CH=4" "DS4_ATTEND_MERGE_CH=8" "X=1"; do
+#     env $e python3 tools/gpu/long_decode.py 65536 1048576; done

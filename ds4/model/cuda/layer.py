@@ -487,7 +487,8 @@ TOPK_KERNEL = os.environ.get("DS4_TOPK_KERNEL", "0") == "1"
 
 # Decode's indexer top-k by torch.topk over unique int64 keys (top_rows_by_keys) instead of a full stable
 # sort of every compressed row: same indices; slower on the H200 (ab_decode.py, session 6: 77.31 vs 79.07
-# tok/s at 4k ctx). Env DS4_INDEXER_TOPK=1: on.
+# tok/s at 4k ctx; session 19, tools/gpu/long_decode.py: 256k ctx 88.74 vs 97.89, 1M 67.96 vs 74.39).
+# Env DS4_INDEXER_TOPK=1: on.
 INDEXER_TOPK = os.environ.get("DS4_INDEXER_TOPK", "0") == "1"
 
 # Decode's indexer top-k as a set (ds4.kernels.topk.select_rows: a radix select, the indices in ascending
@@ -495,8 +496,10 @@ INDEXER_TOPK = os.environ.get("DS4_INDEXER_TOPK", "0") == "1"
 # INDEXER_SELECT_MAX scores (4,096: 16k ctx). H200, session 17 (ab_decode.py): 4k ctx 118.11 vs 112.94 tok/s
 # with the sort (x1.046); at 64k ctx (16,384 scores, then streamed in chunks: 5 passes over the row) 96.19
 # vs 99.52, so longer rows keep the sort; session 18, with 16,384 kept in registers (topk.SELECT_REG_MAX):
-# 64k ctx 102.64 vs 102.74 with the sort (ab_decode.py "select 16k"): still no gain.
-# Env DS4_INDEXER_SELECT=0: off (the sort, or TOPK_KERNEL / INDEXER_TOPK when set); DS4_INDEXER_SELECT_MAX.
+# 64k ctx 102.64 vs 102.74 with the sort (ab_decode.py "select 16k"): still no gain; session 19
+# (long_decode.py, the select for every row length): 256k ctx 67.47 vs 97.89, 1M 27.50 vs 74.39 (65,536 /
+# 262,144 scores streamed in many passes). Env DS4_INDEXER_SELECT=0: off (the sort, or TOPK_KERNEL /
+# INDEXER_TOPK when set); DS4_INDEXER_SELECT_MAX.
 # Read when a step is built.
 INDEXER_SELECT = os.environ.get("DS4_INDEXER_SELECT", "1") == "1"
 INDEXER_SELECT_MAX = int(os.environ.get("DS4_INDEXER_SELECT_MAX", "4096"))
