@@ -192,6 +192,30 @@ def test_cuda_prefetch_changes_no_bit(official_gguf, monkeypatch):
 
 
 @pytest.mark.cuda
+def test_cuda_wide_select_changes_no_bit(official_gguf, monkeypatch):
+    """The indexer's top-k by the several-programs-a-row select (layer.INDEXER_WIDE; its chunks shrunk so
+    that the official model's 75-100 rows span up to 4 programs) instead of the one-program select: the same
+    set in the same ascending order, so bit-identical greedy tokens and logits."""
+    from ds4.kernels import topk
+    from ds4.model.cuda import layer
+
+    model = _cached_cuda(official_gguf)
+    out = {}
+    for wide in (False, True):
+        if wide:
+            monkeypatch.setattr(layer, "INDEXER_WIDE", True)
+            monkeypatch.setattr(layer, "INDEXER_SELECT_MAX", 4)  # every indexer row past it
+            monkeypatch.setattr(topk, "WIDE_MIN_CHUNK", 32)
+            monkeypatch.setattr(topk, "WIDE_PROGRAMS", 4)
+        st = model.new_state(400)
+        model.forward(st, list(range(100, 400)))
+        toks = model.decode_greedy(st, 7, 8).tolist()
+        out[wide] = (toks, st._runner.logits.clone())
+    assert out[True][0] == out[False][0]
+    assert torch.equal(out[True][1], out[False][1])
+
+
+@pytest.mark.cuda
 def test_cuda_hc_comb_on_side_lane(official_gguf, monkeypatch):
     """The HC combine Sinkhorn as its own launch on side lane 2 (fused.HC_COMB_SIDE) vs inside the finish
     kernel: the same normalisations (each 4-term sum maybe in another association), so the same greedy

@@ -82,11 +82,53 @@ def test_select_rows_ties_cross_chunks(monkeypatch) -> None:
         topk.select_rows(s, 201)
 
 
+@pytest.mark.parametrize(
+    ("B", "n", "k", "programs"),
+    [(1, 300, 16, 4), (2, 600, 100, 4), (1, 256, 64, 8), (1, 64, 64, 4)],
+    ids=["ragged", "rows-2", "programs-4", "k=n"],
+)
+def test_select_rows_wide_is_the_sorts_set(monkeypatch, B: int, n: int, k: int, programs: int) -> None:
+    """The select with several programs a row (select_rows_wide; chunks shrunk so that a row spans up to 4
+    programs): the stable sort's top-k indices in index order, on tie-heavy scores (equal ones split across
+    chunks: each chunk's share of the taken ones) and on distinct random ones."""
+    monkeypatch.setattr(topk, "WIDE_MIN_CHUNK", 64)
+    monkeypatch.setattr(topk, "WIDE_PROGRAMS", programs)
+    C, G = topk.wide_plan(n)
+    assert C * G >= n and (G > 1 or n <= 64)  # several programs a row, except for the one-chunk case
+    s = _scores(B, n, seed=3 * n + k).to(DEVICE)
+    got = topk.select_rows_wide(s, k)
+    assert got.dtype == torch.int64 and got.shape == (B, k)
+    assert torch.equal(got.cpu(), ref.top_rows(s.cpu(), k).sort(dim=-1).values)
+    r = torch.randn(B, n, generator=torch.Generator().manual_seed(n)).to(DEVICE)
+    assert torch.equal(topk.select_rows_wide(r, k).cpu(), ref.top_rows(r.cpu(), k).sort(dim=-1).values)
+
+
+def test_select_rows_wide_all_equal_and_bounds(monkeypatch) -> None:
+    """Every score equal across 4 chunks: the k lowest indices; a column slice; n past WIDE_MAX refused."""
+    monkeypatch.setattr(topk, "WIDE_MIN_CHUNK", 64)
+    monkeypatch.setattr(topk, "WIDE_PROGRAMS", 4)
+    s = torch.zeros(1, 256, device=DEVICE)
+    assert torch.equal(topk.select_rows_wide(s, 150).cpu(), torch.arange(150)[None])
+    s[0, 200:210] = 1.0  # above the threshold in the last chunk, after three chunks of equal ones
+    want = torch.cat([torch.arange(40), torch.arange(200, 210)])[None]
+    assert torch.equal(topk.select_rows_wide(s, 50).cpu(), want)
+    wide = torch.randn(1, 300, generator=torch.Generator().manual_seed(8))
+    got = topk.select_rows_wide(wide.to(DEVICE)[:, :200], 30)
+    assert torch.equal(got.cpu(), ref.top_rows(wide[:, :200], 30).sort(dim=-1).values)
+    monkeypatch.setattr(topk, "WIDE_MAX", 100)
+    with pytest.raises(ValueError, match="n <= 100"):
+        topk.select_rows_wide(s, 8)
+
+
 def test_decode_takes_the_select_for_rows_in_registers(monkeypatch) -> None:
     """layer._indexer_picker: the select up to INDEXER_SELECT_MAX scores a row, the sort past it or off."""
     from ds4.model.cuda import layer
 
     assert layer._indexer_picker(layer.INDEXER_SELECT_MAX) is topk.select_rows
     assert layer._indexer_picker(layer.INDEXER_SELECT_MAX + 1) is layer._top_rows
+    monkeypatch.setattr(layer, "INDEXER_WIDE", True)  # the rows past it: the wide select, up to WIDE_MAX
+    assert layer._indexer_picker(layer.INDEXER_SELECT_MAX + 1) is topk.select_rows_wide
+    assert layer._indexer_picker(topk.WIDE_MAX + 1) is layer._top_rows
     monkeypatch.setattr(layer, "INDEXER_SELECT", False)
+    monkeypatch.setattr(layer, "INDEXER_WIDE", False)
     assert layer._indexer_picker(64) is layer._top_rows

@@ -214,4 +214,162 @@ def select_rows(score: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-__all__ = ["select_rows", "top_rows", "supports"]
+# ---------------------------------------------------------------------------------------------------------
+# The same set for long rows, by several programs a row (select_rows_wide). Why: past SELECT_REG_MAX the
+# one-program select streams the row from memory in every pass (n = 262,144: 941 us a call), so the decode
+# step sorted those rows instead: torch's stable sort, ~10 launches a ratio-4 layer at 64k ctx (4 radix
+# passes + 6 memsets, 40 us of kernels; H200, session 19 profile) and ~45 us at 1M. Here G <= WIDE_PROGRAMS
+# programs a row each hold a chunk of C scores in registers and the passes are launches: 3 digit passes of
+# 11 / 11 / 10 bits (each program histograms its chunk's scores that match the prefix so far; the next
+# launch sums the G histograms and picks the digit), a counting pass (how many of each chunk lie above the
+# threshold or equal it), and the write (each chunk's offset from the counts of the chunks before it): 5
+# launches, no atomics, no memsets, the same indices in the same (ascending) order as select_rows.
+WIDE_PROGRAMS = 16  # chunks a row at most
+WIDE_MIN_CHUNK = 2048  # scores a program at least
+WIDE_MAX = 1 << 18  # scores a row at most (262,144: a 1M-token context's ratio-4 rows); longer rows: the sort
+WIDE_BINS = 2048  # histogram bins of a pass (11 bits)
+_WIDE_SHIFTS = (21, 10, 0)  # bits 31..21, 20..10, 9..0
+
+
+@triton.jit
+def _wide_chunk(score_ptr, stride, n, C: tl.constexpr):
+    """(indices, valid, sortable bits) of this program's chunk of its row (program (g, b))."""
+    g = tl.program_id(0)
+    b = tl.program_id(1)
+    return _load_chunk(score_ptr + b.to(tl.int64) * stride, g * C, n, C)
+
+
+@triton.jit
+def _wide_state(state_ptr, hist_ptr, G, K, BINS: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
+    """(prefix, pmask, krem) after the pass whose G histograms [G, BINS] of row b are at hist_ptr (bits SHIFT
+    .. SHIFT + WIDTH - 1), from the state before it (state_ptr: prefix, pmask, krem of row b; the start when
+    SHIFT is the first pass's)."""
+    b = tl.program_id(1)
+    if SHIFT == 21:
+        prefix = tl.zeros([], tl.uint32)
+        pmask = tl.zeros([], tl.uint32)
+        krem = K
+    else:
+        prefix = tl.load(state_ptr + b * 3).to(tl.uint32, bitcast=True)
+        pmask = tl.load(state_ptr + b * 3 + 1).to(tl.uint32, bitcast=True)
+        krem = tl.load(state_ptr + b * 3 + 2)
+    bins = tl.arange(0, BINS)
+    hist = tl.zeros([BINS], tl.int32)
+    row = hist_ptr + b.to(tl.int64) * G * BINS
+    for q in range(G):
+        hist += tl.load(row + q * BINS + bins)
+    rev = tl.flip(hist, 0)  # rev[j] = hist[BINS - 1 - j]
+    j = tl.sum((tl.cumsum(rev, 0) < krem).to(tl.int32), 0)
+    krem -= tl.sum(tl.where(bins < j, rev, 0), 0)
+    prefix |= (BINS - 1 - j).to(tl.uint32) << SHIFT
+    pmask |= tl.full([], (1 << WIDTH) - 1, tl.uint32) << SHIFT
+    return prefix, pmask, krem
+
+
+@triton.jit
+def _wide_store_state(state_ptr, prefix, pmask, krem):
+    """Program (0, b) records row b's state for the next launch (every program computed the same)."""
+    b = tl.program_id(1)
+    if tl.program_id(0) == 0:
+        tl.store(state_ptr + b * 3, prefix.to(tl.int32, bitcast=True))
+        tl.store(state_ptr + b * 3 + 1, pmask.to(tl.int32, bitcast=True))
+        tl.store(state_ptr + b * 3 + 2, krem)
+
+
+@triton.jit
+def _wide_hist_kernel(
+    score_ptr, stride, n, K, G, hist_in, state_in, hist_out, state_out,
+    C: tl.constexpr, BINS: tl.constexpr, PREV: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
+    """Pass of bits SHIFT .. SHIFT + WIDTH - 1: program (g, b) histograms its chunk's scores whose higher bits
+    equal row b's prefix into hist_out[b, g]; PREV (>= 0: that pass's shift): first the prefix from the
+    previous pass (hist_in, state_in), recorded in state_out."""
+    pdl_wait()  # the scores / histograms come from the kernel before (dispatch.PDL)
+    prefix = tl.zeros([], tl.uint32)
+    pmask = tl.zeros([], tl.uint32)
+    if PREV >= 0:
+        prefix, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, PREV, 11)
+        _wide_store_state(state_out, prefix, pmask, krem)
+    i, valid, u = _wide_chunk(score_ptr, stride, n, C)
+    keep = valid & ((u & pmask) == prefix)
+    hist = tl.histogram(((u >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), BINS, mask=keep)
+    b = tl.program_id(1)
+    tl.store(hist_out + (b.to(tl.int64) * G + tl.program_id(0)) * BINS + tl.arange(0, BINS), hist)
+
+
+@triton.jit
+def _wide_count_kernel(
+    score_ptr, stride, n, K, G, hist_in, state_in, cnt_ptr, state_out, C: tl.constexpr, BINS: tl.constexpr
+):
+    """The last digit: row b's threshold (the K-th largest) and how many equal ones to take (state_out);
+    program (g, b) counts its chunk's scores above / equal to it into cnt[b, g, 0 / 1]."""
+    pdl_wait()
+    thr, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, 0, 10)
+    _wide_store_state(state_out, thr, pmask, krem)
+    i, valid, u = _wide_chunk(score_ptr, stride, n, C)
+    at = cnt_ptr + (tl.program_id(1).to(tl.int64) * G + tl.program_id(0)) * 2
+    tl.store(at, tl.sum((valid & (u > thr)).to(tl.int32), 0))
+    tl.store(at + 1, tl.sum((valid & (u == thr)).to(tl.int32), 0))
+
+
+@triton.jit
+def _wide_write_kernel(
+    score_ptr, stride, n, K, G, cnt_ptr, state_in, out_ptr, C: tl.constexpr, GP: tl.constexpr
+):
+    """Program (g, b) writes its chunk's selected indices at out[b, offset ...], offset = what the chunks
+    before it select: their scores above the threshold and their share of the first krem equal ones."""
+    pdl_wait()
+    g = tl.program_id(0)
+    b = tl.program_id(1)
+    thr = tl.load(state_in + b * 3).to(tl.uint32, bitcast=True)
+    krem = tl.load(state_in + b * 3 + 2)
+    q = tl.arange(0, GP)
+    before = q < g
+    cnt = cnt_ptr + b.to(tl.int64) * G * 2 + q * 2
+    gt = tl.load(cnt, mask=before, other=0)
+    eq = tl.load(cnt + 1, mask=before, other=0)
+    eq_before = tl.cumsum(eq, 0) - eq  # equal ones in the chunks before chunk q
+    taken = tl.minimum(tl.maximum(krem - eq_before, 0), eq)  # chunk q's share of them
+    i, valid, u = _wide_chunk(score_ptr, stride, n, C)
+    dst = out_ptr + b.to(tl.int64) * K + tl.sum(gt + taken, 0)
+    _select_write(dst, i, valid, u, thr, krem, tl.sum(eq, 0), 0)
+
+
+def wide_plan(n: int) -> tuple[int, int]:
+    """(C scores a program, G programs a row) of select_rows_wide for rows of n scores."""
+    C = max(WIDE_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(n, WIDE_PROGRAMS)))
+    return C, triton.cdiv(n, C)
+
+
+def select_rows_wide(score: torch.Tensor, k: int) -> torch.Tensor:
+    """select_rows (the indices of the k largest, ties to the lower index, ascending) for long rows, by
+    several programs a row: score [B, n] f32 (unit stride in the last dim) -> [B, k] int64."""
+    _check(score.ndim == 2 and score.dtype == torch.float32, "select_rows_wide: score must be [B, n] float32")
+    B, n = score.shape
+    _check(0 < k <= n <= WIDE_MAX, f"select_rows_wide: need 0 < k <= n <= {WIDE_MAX}, got k={k}, n={n}")
+    if not _use_triton(score) or B == 0:
+        return ref.top_rows(score, k).sort(dim=-1).values
+    if score.stride(1) != 1:
+        score = score.contiguous()
+    C, G = wide_plan(n)
+    dev, BINS = score.device, WIDE_BINS
+    hist = torch.empty(2, B, G, BINS, dtype=torch.int32, device=dev)  # passes alternate between the two
+    state = torch.empty(3, B, 3, dtype=torch.int32, device=dev)  # after passes 1, 2 and the last digit
+    cnt = torch.empty(B, G, 2, dtype=torch.int32, device=dev)
+    out = torch.empty(B, k, dtype=torch.int64, device=dev)
+    launch = {"num_warps": 8 if C <= 4096 else 16, "launch_pdl": PDL}
+    args = (score, score.stride(0), n, k, G)
+    for p, shift in enumerate(_WIDE_SHIFTS):
+        prev = _WIDE_SHIFTS[p - 1] if p else -1
+        width = 11 if shift else 10
+        _wide_hist_kernel[(G, B)](
+            *args, hist[(p + 1) % 2], state[max(p - 2, 0)], hist[p % 2], state[max(p - 1, 0)],
+            C=C, BINS=BINS, PREV=prev, SHIFT=shift, WIDTH=width, **launch,
+        )  # fmt: skip
+    _wide_count_kernel[(G, B)](*args, hist[0], state[1], cnt, state[2], C=C, BINS=BINS, **launch)
+    gp = triton.next_power_of_2(G)
+    _wide_write_kernel[(G, B)](*args, cnt, state[2], out, C=C, GP=gp, **launch)
+    return out
+
+
+__all__ = ["select_rows", "select_rows_wide", "top_rows", "supports"]

@@ -52,6 +52,8 @@ Variants (each the other side of an engine default; env names in brackets):
                   (42 MB) at the layer's start; "prefetch ffn": the shared expert + router (29 MB) before
                   the FFN's HC; "prefetch all": the three
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
+  select wide     layer.INDEXER_WIDE (DS4_INDEXER_WIDE=1) rows past INDEXER_SELECT_MAX by
+                  topk.select_rows_wide instead of the sort (time it at --ctx 65536)
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
   moe down bn32   moe.DOWN.bn = 32
@@ -125,6 +127,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "prefetch ffn": {(layer, "PREFETCH"): {"ffn": 29}},
     "prefetch all": {(layer, "PREFETCH"): {"attn": 42, "o": 36, "ffn": 29}},
     "topk kernel": {(layer, "TOPK_KERNEL"): True, (layer, "INDEXER_SELECT"): False},
+    "select wide": {(layer, "INDEXER_WIDE"): True},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},

@@ -2,7 +2,8 @@
 
 On the H200:   PYTHONPATH=. python3 tools/gpu/bench_topk_hc.py   (about 30 s)
 
-* the indexer top-k (ds4.kernels.topk.top_rows, and the radix select_rows) vs the stable torch sort
+* the indexer top-k (ds4.kernels.topk.top_rows, the radix select_rows and its several-programs-a-row form
+  select_rows_wide, B = 1 / 32) vs the stable torch sort
   (ref.top_rows) at the decode widths of 4k / 8k / 64k / 1M context (n = ctx / 4 compressed rows, k = 512):
   median us per call and whether the indices are equal (tied, quantized scores as the FP4 indexer makes
   them, and -inf rows);
@@ -26,7 +27,8 @@ from ds4.kernels import fused, ref, topk  # noqa: E402
 
 def bench_topk() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    print("top-k 512 of n (us per call): bitonic kernel, radix select (B = 1 / 32), torch stable sort, equal")
+    print("top-k 512 of n (us per call): bitonic kernel, radix select (B = 1 / 32), "
+          "wide select (B = 1 / 32), torch stable sort, equal")  # fmt: skip
     for ctx in (4096, 8192, 65536, 1 << 20):
         n = ctx // 4
         s = torch.round(torch.randn(32, n, device="cuda", generator=g) * 8) / 4
@@ -37,9 +39,12 @@ def bench_topk() -> None:
         t_k = median_us(lambda s=s1: topk.top_rows(s, 512), 50, 5)
         t_r = median_us(lambda s=s1: topk.select_rows(s, 512), 50, 5)
         t_r32 = median_us(lambda s=s: topk.select_rows(s, 512), 50, 5)
+        wide = torch.equal(topk.select_rows_wide(s, 512), ref.top_rows(s, 512).sort(dim=-1).values)
+        t_w = median_us(lambda s=s1: topk.select_rows_wide(s, 512), 50, 5)
+        t_w32 = median_us(lambda s=s: topk.select_rows_wide(s, 512), 50, 5)
         t_s = median_us(lambda s=s1: ref.top_rows(s, 512), 50, 5)
-        print(f"  ctx {ctx:>8} n {n:>7}: {t_k:8.1f} {t_r:8.1f} / {t_r32:8.1f} {t_s:8.1f}  "
-              f"equal={torch.equal(got, want)} select={same_set}")  # fmt: skip
+        print(f"  ctx {ctx:>8} n {n:>7}: {t_k:8.1f} {t_r:8.1f} / {t_r32:8.1f} {t_w:8.1f} / {t_w32:8.1f} "
+              f"{t_s:8.1f}  equal={torch.equal(got, want)} select={same_set} wide={wide}")  # fmt: skip
 
 
 def bench_hc() -> None:

@@ -1,0 +1,16 @@
+#!/bin/bash
+# Device calls prepared in session 19 for what it built without device time (.gpu/shared carried):
+#   part a: the indexer top-k with several programs a row (topk.select_rows_wide, layer.INDEXER_WIDE, off):
+#           its GPU tests (and the top-k / model ones), bench_topk_hc (per call, equal sets at 4k .. 1M ctx),
+#           the whole model at 64k ctx with it (ab_decode) and at 64k / 256k / 1M (long_decode, one process
+#           per setting).
+# Usage: bash tools/gpu/session20.sh a
+source "$(dirname "$0")/session_lib.sh"
+if [ "$1" = a ]; then
+  TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py \
+    tests/test_cuda_backend.py -k "select or topk or official"
+  TAIL=8 run bench 90 python3 tools/gpu/bench_topk_hc.py
+  TAIL=8 run ab 150 python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 --variants "select wide"
+  TAIL=4 run long_off 60 python3 tools/gpu/long_decode.py 65536 262144 1048576
+  TAIL=4 run long_on "$(left)" env DS4_INDEXER_WIDE=1 python3 tools/gpu/long_decode.py 65536 262144 1048576
+fi
