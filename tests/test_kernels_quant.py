@@ -131,6 +131,10 @@ Q8_TILES = [
     matvec.Q8Config(16, 256, 4, 1, 10**6, int8=True, prefetch=True),
     matvec.Q8Config(xdirect=True, flat=1056),  # long-lived programs from FLAT_MIN_TILES row tiles
     matvec.Q8Config(xdirect=True, flat=100),  # several tiles per program
+    matvec.Q8Config(16, 256, 4, 4, 8, tma=True),  # TMA copies into a 4-buffer ring, split-K
+    matvec.Q8Config(16, 256, 4, 3, 8, prefetch=True, tma=True),  # the first k-tile copied before the wait
+    matvec.Q8Config(8, 256, 4, 4, 10**6, prefetch=True, tma=True),  # one k-tile per split: all peeled
+    matvec.Q8Config(32, 1024, 4, 2, 1, tma=True),  # no split; tk taken as 256 (a TMA box row)
 ]
 # Q8Config.int8 against its twin ref.qmatvec_q8_0_int (the same integers, f32 rounding apart): F32_TOL;
 # against the exact f32 product: x's rounding error is <= amax / 64516 per value of each 32-block
@@ -146,6 +150,7 @@ def _q8_id(c: matvec.Q8Config) -> str:
         + "-pre" * c.prefetch
         + "-int8" * c.int8
         + f"-flat{c.flat}" * bool(c.flat)
+        + "-tma" * c.tma
     )
 
 

@@ -27,6 +27,7 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
 # kernel -> the parameters (static weights) its statements before pdl_wait() may load from
 PREWAIT = {"_q8_mv1_kernel": {"qs", "dsc"}, "_q8_int_kernel": {"qs", "dsc"}, "_hmv_kernel": {"w_ptr"}}
 PREWAIT["_q8_flat_kernel"] = {"qs", "dsc"}
+PREWAIT["_q8_tma_kernel"] = {"qs_desc", "dsc"}  # qs_desc.load: a TMA copy of the quants
 
 
 def _is_wait(node: ast.stmt) -> bool:
@@ -67,10 +68,12 @@ def _prewait_problems(fn: ast.FunctionDef, static: set[str]) -> list[str]:
                 fname = ast.unparse(node.func)
                 if fname.startswith(("tl.store", "tl.atomic")):
                     problems.append(f"{fname} before pdl_wait()")
-                if fname == "tl.load":
-                    reach = _reach(node.args[0], params, deps)
+                desc = isinstance(node.func, ast.Attribute) and fname.endswith(".load") and fname != "tl.load"
+                if fname == "tl.load" or desc:  # desc: a tensor descriptor's load, desc.load([offsets])
+                    src = node.func.value if desc else node.args[0]
+                    reach = _reach(src, params, deps)
                     if not reach & static or any(p.endswith("_ptr") for p in reach - static):
-                        problems.append(f"load of {ast.unparse(node.args[0])} (reaches {sorted(reach)})")
+                        problems.append(f"load of {ast.unparse(src)} (reaches {sorted(reach)})")
     return problems
 
 
@@ -157,6 +160,13 @@ def test_the_check_sees_a_dynamic_load_before_the_wait():
     assert len(problems) == 2 and "q + p" in problems[0] and "tl.store" in problems[1], problems
     ok = head + "    p = w + K\n    a = tl.load(p)\n    pdl_wait()\n    b = tl.load(x_ptr)\n"
     assert _prewait_problems(_kernels({"m.py": ast.parse(ok)})["_k"], {"w"}) == []
+    # tensor descriptors: w_desc.load of the static weights passes, x_desc.load of an activation does not
+    dhead = "import triton\n@triton.jit\ndef _k(x_desc, w_desc, out_ptr, K):\n"
+    good = dhead + "    a = w_desc.load([0, K])\n    pdl_wait()\n"
+    assert _prewait_problems(_kernels({"m.py": ast.parse(good)})["_k"], {"w_desc"}) == []
+    bad = dhead + "    a = w_desc.load([0, K])\n    b = x_desc.load([0, 0])\n    pdl_wait()\n"
+    problems = _prewait_problems(_kernels({"m.py": ast.parse(bad)})["_k"], {"w_desc"})
+    assert len(problems) == 1 and "x_desc" in problems[0], problems
 
 
 def test_pdl_is_off_under_the_interpreter_and_by_default():

@@ -429,7 +429,12 @@ class Q8Config:
         and one I2F instead of 32 I2F and 32 FMA, for one more (small) launch per matvec;
       flat: long-lived programs (about `flat` of them, one wave) that walk whole row tiles k-tile by
         k-tile with the next k-tile's loads issued before this one's math (_q8_flat_kernel): no split-K,
-        no fixup, fewer program starts; the large matrices only (FLAT_MIN_TILES).
+        no fixup, fewer program starts; the large matrices only (FLAT_MIN_TILES);
+      tma: the weight tiles [bn, 256] by TMA bulk copies into a ring of `stages` shared-memory buffers
+        (_q8_tma_kernel, sm_90): a program keeps stages - 1 k-tiles in flight at ~40 registers, where the
+        register-tiled kernel holds one (the L2 prefetch measured the matvecs not DRAM-latency-bound in
+        isolation, session 19; this tests whether more bytes in flight per SM pay); tk is 256 (a TMA box
+        row holds at most 256 elements).
     tools/gpu/bench_q8.py --variants times them; --compile-only prints these counts."""
 
     bn: int = 8
@@ -443,6 +448,7 @@ class Q8Config:
     int8: bool = False
     # > 0: matrices of >= FLAT_MIN_TILES row tiles by _q8_flat_kernel with about this many programs
     flat: int = 0
+    tma: bool = False
 
 
 # tools/gpu/tune_decode.py times the alternatives: on an H200 (2026-11-29) this tile gave the lowest sum over
@@ -464,16 +470,22 @@ class Q8Config:
 # one row, medians ~5e-4), so those flips do not come from the two Q8_0 paths' numerics.
 _Q8_INT8 = os.environ.get("DS4_Q8_INT8", "0") == "1"
 Q8_INT8_TILE = {"bn": 4, "tk": 1024}  # the int8 variant's tile (tools replace Q8_MV1 with it)
+# The TMA variant (Q8Config.tma) and its tile: built in session 19 (interpreter tests; sm_90 builds 40-64
+# registers, 9-29 KB of shared memory), not yet timed: off. Env DS4_Q8_TMA=1: on, at this tile.
+_Q8_TMA = os.environ.get("DS4_Q8_TMA", "0") == "1"
+Q8_TMA_TILE = {"bn": 16, "tk": 256, "stages": 4}
+_TILE = Q8_INT8_TILE if _Q8_INT8 else Q8_TMA_TILE if _Q8_TMA else {"bn": 8, "tk": 512, "stages": 1}
 Q8_MV1 = Q8Config(
-    bn=Q8_INT8_TILE["bn"] if _Q8_INT8 else 8,
-    tk=Q8_INT8_TILE["tk"] if _Q8_INT8 else 512,
+    bn=_TILE["bn"],
+    tk=_TILE["tk"],
     warps=4,
-    stages=1,
+    stages=_TILE.get("stages", 1),
     target=2112,
     xdirect=os.environ.get("DS4_Q8_XDIRECT", "1") == "1",
     magic=os.environ.get("DS4_Q8_MAGIC", "0") == "1",
     prefetch=os.environ.get("DS4_Q8_PREFETCH", "1") != "0",
     int8=_Q8_INT8,
+    tma=_Q8_TMA and not _Q8_INT8,
 )
 
 
@@ -560,6 +572,73 @@ def _q8_mv1_kernel(
     if FIXUP:  # as one batch row: tile [1, BN]
         off, mask = n[None, :], (n < N)[None, :]
         _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
+
+
+@triton.jit
+def _q8_tma_kernel(
+    x_ptr,
+    qs_desc,
+    dsc,
+    out_ptr,
+    sum_ptr,
+    cnt_ptr,
+    N,
+    K,
+    NG,
+    kt_per_split,
+    BN: tl.constexpr,
+    TK: tl.constexpr,
+    STAGES: tl.constexpr,
+    FIXUP: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """_q8_mv1_kernel with the quants read through qs_desc, a TMA descriptor of qs [N, K] with block [BN,
+    TK] (Q8Config.tma): the k loop's copies go to a ring of STAGES shared buffers, STAGES - 1 ahead of the
+    math (rows past N arrive as zeros). PREFETCH: the first k-tile copied before the wait (static weights)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    TB: tl.constexpr = TK // 32  # blocks per k-tile
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = tl.minimum(n, N - 1).to(tl.int64)
+    xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
+    blk = tl.arange(0, TB)
+    xp = x_ptr + xbase + blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [TB, 32]
+    dp = dsc + wrow[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
+    kt_lo = pid_s * kt_per_split
+    kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
+    acc = tl.zeros([BN, TB], dtype=tl.float32)
+    if PREFETCH:  # the first k-tile's weights before the wait: static (see dispatch.PDL_EARLY)
+        q0 = qs_desc.load([pid_n * BN, kt_lo * TK])
+        d0 = tl.load(dp + kt_lo * TB)
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    if PREFETCH:
+        acc += _q8_tile(tl.reshape(q0, (BN, TB, 32)), d0, tl.load(xp + kt_lo * TK), False, False)
+        kt_lo += 1
+    for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
+        q = tl.reshape(qs_desc.load([pid_n * BN, kt * TK]), (BN, TB, 32))
+        acc += _q8_tile(q, tl.load(dp + kt * TB), tl.load(xp + kt * TK), False, False)
+    tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
+    if FIXUP:  # as one batch row: tile [1, BN]
+        off, mask = n[None, :], (n < N)[None, :]
+        _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
+
+
+TMA_TK = 256  # a TMA box row holds at most 256 elements
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """Whether Q8Config.tma runs for t: CUDA sm_90+, or the interpreter (which emulates the copies)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def _q8_desc(qs: torch.Tensor, bn: int):
+    """The TMA descriptor of Q8_0 quants qs [N, K] int8 (contiguous: 16-byte row strides) with block [bn,
+    TMA_TK]: a host object the launcher encodes at each launch (a CUDA graph keeps the encoding)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(qs, list(qs.shape), [qs.shape[1], 1], [bn, TMA_TK])
 
 
 @triton.jit
@@ -714,6 +793,13 @@ def q8_mv1(
             FIXUP=o.fixup, PREFETCH=cfg.prefetch, DP4A=dp4a_ok(x), num_warps=cfg.warps, launch_pdl=PDL,
         )  # fmt: skip
         return o.result()
+    if cfg.tma and tk == TMA_TK and tma_ok(x):
+        _q8_tma_kernel[(n_prog, splits)](
+            x, _q8_desc(w.data["qs"].view(N, K), cfg.bn), w.data["d"], o.part, o.total, o.cnt, N, K,
+            rows_per_group, per, BN=cfg.bn, TK=tk, STAGES=cfg.stages, FIXUP=o.fixup,
+            PREFETCH=cfg.prefetch, num_warps=cfg.warps, launch_pdl=PDL,
+        )  # fmt: skip
+        return o.result()
     qs = w.data["qs"].view(torch.int32) if cfg.magic else w.data["qs"]
     _q8_mv1_kernel[(n_prog, splits)](
         x, qs, w.data["d"], o.part, o.total, o.cnt, N, K, rows_per_group, per,
@@ -726,7 +812,7 @@ def q8_mv1(
 def q8_mv1_plan(n: int, k: int, cfg: Q8Config) -> tuple[int, int, int]:
     """(TK, k-tiles per split, splits) of q8_mv1 for n rows of length k: enough splits that the row tiles
     times the splits reach cfg.target programs, as far as the k-tiles allow."""
-    tk = _q8_tile_k(k, cfg.tk)
+    tk = TMA_TK if cfg.tma and k % TMA_TK == 0 else _q8_tile_k(k, cfg.tk)
     n_prog, n_kt = triton.cdiv(n, cfg.bn), k // tk
     splits = min(n_kt, max(1, triton.cdiv(cfg.target, n_prog)))
     per = triton.cdiv(n_kt, splits)

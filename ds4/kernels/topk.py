@@ -357,7 +357,7 @@ def select_rows_wide(score: torch.Tensor, k: int) -> torch.Tensor:
     state = torch.empty(3, B, 3, dtype=torch.int32, device=dev)  # after passes 1, 2 and the last digit
     cnt = torch.empty(B, G, 2, dtype=torch.int32, device=dev)
     out = torch.empty(B, k, dtype=torch.int64, device=dev)
-    launch = {"num_warps": 8 if C <= 4096 else 16, "launch_pdl": PDL}
+    launch = dict(num_warps=8 if C <= 4096 else 16, launch_pdl=PDL)  # a dict() call: test_pdl_wiring sees it
     args = (score, score.stride(0), n, k, G)
     for p, shift in enumerate(_WIDE_SHIFTS):
         prev = _WIDE_SHIFTS[p - 1] if p else -1

@@ -58,6 +58,8 @@ Variants (each the other side of an engine default; env names in brackets):
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
   moe down bn32   moe.DOWN.bn = 32
   moe lds (math)  moe.GATE_UP.lds (DS4_MOE_LDS=1): the nibble tables in static shared memory (+ sign math)
+  q8 tma          matvec.Q8_MV1.tma at Q8_TMA_TILE (DS4_Q8_TMA=1): the weight tiles by TMA copies into a
+                  ring of shared buffers; "q8 tma bn32" / "bn8" / "s3" / "s6": other rows / stages
   q8 flat         matvec.Q8_MV1.flat = 660 (1056: "q8 flat 1056") long-lived programs on the large matrices
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
@@ -133,6 +135,11 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
     "q8 int8 bn16": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, bn=16, tk=256)},
     "q8 int8 bn4": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, **mv.Q8_INT8_TILE)},
+    "q8 tma": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **mv.Q8_TMA_TILE)},
+    "q8 tma bn32": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "bn": 32})},
+    "q8 tma bn8": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "bn": 8})},
+    "q8 tma s3": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "stages": 3})},
+    "q8 tma s6": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "stages": 6})},
     "q8 flat": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=660)},
     "q8 flat 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=1056)},
     "half prefetch": {

@@ -199,9 +199,15 @@ VARIANTS = {
     "flat 528": replace(mv.Q8_MV1, flat=528),
     "flat 660": replace(mv.Q8_MV1, flat=660),
     "flat 1056": replace(mv.Q8_MV1, flat=1056),
+    # session 19: the weight tiles by TMA copies into a ring of shared buffers (Q8Config.tma)
+    "tma": replace(mv.Q8_MV1, tma=True, **mv.Q8_TMA_TILE),
+    "tma bn32": replace(mv.Q8_MV1, tma=True, **{**mv.Q8_TMA_TILE, "bn": 32}),
+    "tma bn8": replace(mv.Q8_MV1, tma=True, **{**mv.Q8_TMA_TILE, "bn": 8}),
+    "tma s3": replace(mv.Q8_MV1, tma=True, **{**mv.Q8_TMA_TILE, "stages": 3}),
+    "tma s6": replace(mv.Q8_MV1, tma=True, **{**mv.Q8_TMA_TILE, "stages": 6}),
 }
 if "--latest" in sys.argv:  # the default and this session's variants
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "default" or k.startswith("flat")}
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "default" or k.startswith("tma")}
 
 
 def _variant(cfg: mv.Q8Config):
@@ -450,6 +456,8 @@ def compile_only() -> int:
     runs = []
     for fix in (False, True):
         for name, cfg in VARIANTS.items() if fix else [("default", q8)]:
+            if cfg.tma:  # a descriptor argument: not built here (its sm_90 figures: matvec.Q8_TMA_TILE)
+                continue
             consts = {"BN": cfg.bn, "TK": cfg.tk, "STAGES": cfg.stages, "FIXUP": fix}
             consts["PREFETCH"] = cfg.prefetch
             if cfg.int8:

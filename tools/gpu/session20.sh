@@ -4,7 +4,10 @@
 #           its GPU tests (and the top-k / model ones), bench_topk_hc (per call, equal sets at 4k .. 1M ctx),
 #           the whole model at 64k ctx with it (ab_decode) and at 64k / 256k / 1M (long_decode, one process
 #           per setting).
-# Usage: bash tools/gpu/session20.sh a
+#   part b: the Q8_0 batch-1 matvec with its weight tiles by TMA copies into a ring of shared buffers
+#           (matvec.Q8Config.tma, DS4_Q8_TMA, off): its GPU tests at the Flash shapes, bench_q8 --variants
+#           --latest (per shape and per decode step), the whole model at 4k ctx with each tile.
+# Usage: bash tools/gpu/session20.sh a|b
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py \
@@ -13,4 +16,11 @@ if [ "$1" = a ]; then
   TAIL=8 run ab 150 python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 --variants "select wide"
   TAIL=4 run long_off 60 python3 tools/gpu/long_decode.py 65536 262144 1048576
   TAIL=4 run long_on "$(left)" env DS4_INDEXER_WIDE=1 python3 tools/gpu/long_decode.py 65536 262144 1048576
+fi
+if [ "$1" = b ]; then
+  TAIL=4 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    tests/test_cuda_backend.py -k "q8_mv1 or official"
+  TAIL=14 run bench 120 python3 tools/gpu/bench_q8.py --variants --latest
+  TAIL=10 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 \
+    --variants "q8 tma,q8 tma bn32,q8 tma bn8,q8 tma s3,q8 tma s6"
 fi
