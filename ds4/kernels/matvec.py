@@ -513,6 +513,18 @@ def _q8_tile(q, d, xv, XDIRECT: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _q8_out(out_ptr, sum_ptr, cnt_ptr, acc, n, N, FIXUP: tl.constexpr):
+    """Store a batch-1 Q8_0 program's partial (acc [BN, TB] summed over its blocks) for rows n [BN] at its
+    split's row of out [S, N]; FIXUP: the tile's last split also writes the sum (_split_fixup)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
+    if FIXUP:  # as one batch row: tile [1, BN]
+        off, mask = n[None, :], (n < N)[None, :]
+        _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, n.shape[0])
+
+
+@triton.jit
 def _q8_mv1_kernel(
     x_ptr,
     qs,
@@ -568,10 +580,7 @@ def _q8_mv1_kernel(
         kt_lo += 1
     for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
         acc += _q8_tile(tl.load(qp + kt * QK), tl.load(dp + kt * TB), tl.load(xp + kt * TK), XDIRECT, MAGIC)
-    tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
-    if FIXUP:  # as one batch row: tile [1, BN]
-        off, mask = n[None, :], (n < N)[None, :]
-        _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
+    _q8_out(out_ptr, sum_ptr, cnt_ptr, acc, n, N, FIXUP)
 
 
 @triton.jit
@@ -617,10 +626,7 @@ def _q8_tma_kernel(
     for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
         q = tl.reshape(qs_desc.load([pid_n * BN, kt * TK]), (BN, TB, 32))
         acc += _q8_tile(q, tl.load(dp + kt * TB), tl.load(xp + kt * TK), False, False)
-    tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
-    if FIXUP:  # as one batch row: tile [1, BN]
-        off, mask = n[None, :], (n < N)[None, :]
-        _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
+    _q8_out(out_ptr, sum_ptr, cnt_ptr, acc, n, N, FIXUP)
 
 
 TMA_TK = 256  # a TMA box row holds at most 256 elements
@@ -699,10 +705,7 @@ def _q8_int_kernel(
     for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
         x1, x2, dx = tl.load(xp + kt * QK), tl.load(xp + XPLANE + kt * QK), tl.load(dxp + kt * TB)
         acc += _q8_int_tile(tl.load(qp + kt * QK), tl.load(dp + kt * TB), x1, x2, dx, DP4A)
-    tl.store(out_ptr + pid_s.to(tl.int64) * N + n, tl.sum(acc, axis=1), mask=n < N)
-    if FIXUP:  # as one batch row: tile [1, BN]
-        off, mask = n[None, :], (n < N)[None, :]
-        _split_fixup(out_ptr, sum_ptr, cnt_ptr + pid_n, off, mask, 1, N, tl.num_programs(1), 1, BN)
+    _q8_out(out_ptr, sum_ptr, cnt_ptr, acc, n, N, FIXUP)
 
 
 @triton.jit

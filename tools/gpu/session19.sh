@@ -42,5 +42,6 @@ fi
 #   for e in "X=0" "DS4_INDEXER_SELECT_MAX=1048576" "DS4_INDEXER_SELECT=0 DS4_INDEXER_TOPK=1"; do
 #     env $e python3 tools/gpu/long_decode.py 262144 1048576; done
 #   DS4_PDL=0 python3 tools/gpu/long_decode.py --profile 1048576
+#   for c in 4096 65536; do DS4_PDL=0 python3 tools/gpu/long_decode.py --profile $c; done   (a fresh machine)
 #   for e in "X=0" "DS4_ATTEND_MERGE_CH=4" "DS4_ATTEND_MERGE_CH=8" "X=1"; do
 #     env $e python3 tools/gpu/long_decode.py 65536 1048576; done
