@@ -348,6 +348,7 @@ def attention_decode_pool(
 # into L2 60 us earlier takes 16.3 vs 19.8 us (q_b, 35.7 MB): the decode matvecs are not bound by DRAM
 # latency, so warming L2 gains little, and the requests' DRAM traffic costs the kernels beside them. Off.
 def _parse_prefetch(spec: str) -> dict[str, int]:
+    """DS4_PREFETCH's "site=MB,..." -> {site: MB}; a clear error for an unknown site or a bad size."""
     sites = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, mb = part.partition("=")
