@@ -21,6 +21,14 @@ of the prefill kernels at its slice shapes), ttft_s the second (steady state). O
     parallel,ctx_tokens,gen_tokens,step_ms,gen_tps_aggregate,weights_gbps,ttft_prompt,ttft_s,ttft_first_s,
     kv_pool_bytes
 
+`--decode-at C1,C2,...` measures decode deep into the context without prefilling it (issue 5: the largest
+context that fits, with its decode speed): per listed context C, a session allocated for C tokens has its
+KV filled with random rows up to the depth its timed runs leave room for (C - gen-tokens x (repeats + 1) -
+1), then one warm-up run (compiles, graph capture) and --repeats timed runs of gen-tokens greedy tokens
+continue from there (each from where the last ended). Decode work depends on the position, not on the
+values, so the speed is the real one (the tokens mean nothing). One sweep-format row per C: ctx_tokens the
+fill depth, prefill_tokens 0 and prefill_tps empty, kvcache_bytes the payload at that depth.
+
 `--synthetic flash-q2|flash-q4` builds full-size random Flash weights directly on the GPU (no file); its
 prompt tokens are the text's UTF-8 bytes spread over the vocabulary (random weights: token identity does
 not matter).
@@ -114,7 +122,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--prefill-budget", type=int, default=512, help="--parallel: prefill tokens per step")
     p.add_argument("--gpus", type=int, default=None, help="N processes, experts split (runs under torchrun)")
+    p.add_argument(
+        "--decode-at", type=_depths, default=[], help="contexts C1,C2,...: decode on random-filled sessions"
+    )
     a = p.parse_args(argv)
+    if a.decode_at and a.parallel:
+        p.error("--decode-at and --parallel are different runs: pick one")
+    if any(c - a.gen_tokens * (a.repeats + 1) - 1 < 1 for c in a.decode_at):
+        p.error(f"--decode-at contexts must exceed gen-tokens x (repeats + 1) + 1, got {a.decode_at}")
     if a.ctx_start < 1 or a.ctx_max < a.ctx_start:
         p.error(f"need 1 <= --ctx-start <= --ctx-max, got {a.ctx_start} and {a.ctx_max}")
     if a.step_mul < 1:
@@ -136,6 +151,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.plot and not a.csv:
         p.error("--plot needs --csv FILE (the plots are written next to it)")
     return a
+
+
+def _depths(spec: str) -> list[int]:
+    """--decode-at's "C1,C2,..." -> sorted positive ints."""
+    try:
+        out = sorted(int(c) for c in spec.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated token counts, got {spec!r}") from None
+    if not out or out[0] < 1:
+        raise argparse.ArgumentTypeError(f"want positive token counts, got {spec!r}")
+    return out
 
 
 def frontiers(start: int, stop: int, incr: int, mul: float) -> list[int]:
@@ -325,6 +351,8 @@ def run(a: argparse.Namespace, out, loaded: Loaded | None = None) -> list[dict]:
     loaded = loaded or load(a)
     if a.parallel:
         return run_parallel(a, out, loaded)
+    if a.decode_at:
+        return run_decode_at(a, out, loaded)
     tokens, model = loaded.tokens, loaded.model
     if len(tokens) < a.ctx_max:
         raise BenchError(f"prompt too short: {len(tokens)} tokens, --ctx-max needs at least {a.ctx_max}")
@@ -384,6 +412,64 @@ def _sweep_row(
         "kvcache_bytes": payload_size(cfg, f),
         "weights_gbps": f"{step_bytes * gen_tps / 1e9:.2f}",
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# --decode-at C,...: decode on sessions filled with random KV rows
+# ---------------------------------------------------------------------------------------------
+
+
+def fill_random(state, depth: int, window: int, seed: int = SYNTHETIC_SEED) -> None:
+    """A session's KV as if `depth` tokens had been seen, with random rows (timing only): a device state's
+    buffers all random (the position decides what a step reads), a CPU state's ring and compressed rows
+    random at their lengths for that depth (its compressor frontiers left empty)."""
+    import torch
+
+    gen = torch.Generator(device=getattr(state, "device", "cpu")).manual_seed(seed)
+    for layer in state.layers:
+        if hasattr(layer, "tensors"):  # DeviceLayerKV: static buffers
+            for t in layer.tensors():
+                t.normal_(generator=gen)
+            continue
+        layer.raw = torch.randn(min(depth, window), layer.raw.shape[1], generator=gen)
+        if layer.comp is not None:
+            layer.comp = torch.randn(depth // layer.ratio, layer.comp.shape[1], generator=gen)
+        if layer.index is not None:
+            layer.index = torch.randn(depth // layer.ratio, layer.index.shape[1], generator=gen)
+    state.n_tokens = depth
+
+
+def run_decode_at(a: argparse.Namespace, out, loaded: Loaded) -> list[dict]:
+    """--decode-at: one sweep-format row per listed context (see the module doc)."""
+    import torch
+
+    model = loaded.model
+    step_bytes = decode_bytes_per_token(model)
+    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    rows = []
+    for ctx in a.decode_at:
+        depth = ctx - a.gen_tokens * (a.repeats + 1) - 1
+        drv = Driver(model, ctx, loaded.eos)
+        fill_random(drv.state, depth, model.cfg.window)
+        drv.n, drv.logits = depth, torch.zeros(model.cfg.n_vocab, device=drv.device)
+        drv.greedy(a.gen_tokens)  # warm-up: compiles and captures at this context
+        times = []
+        for _ in range(a.repeats):
+            drv.sync()
+            t0 = time.perf_counter()
+            drv.greedy(a.gen_tokens)
+            drv.sync()
+            times.append(time.perf_counter() - t0)
+        # no prefill: an infinite prefill time gives the row's prefill speed 0, replaced by "" (none run)
+        row = _sweep_row(model.cfg, step_bytes, depth, 0, a.gen_tokens, [(math.inf, t) for t in times])
+        rows.append({**row, "prefill_tps": ""})
+        writer.writerow(rows[-1])
+        out.flush()
+        del drv  # its buffers go before the next context's (a 1M session holds ~14 GB on the GPU)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,7 +651,8 @@ def plot(csv_path: Path, title: str) -> list[Path]:
         rows = list(csv.DictReader(fh))
     ctx = [int(r["ctx_tokens"]) for r in rows]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    ax1.plot(ctx, [float(r["prefill_tps"]) for r in rows], marker="o")
+    pre = [(c, float(r["prefill_tps"])) for c, r in zip(ctx, rows, strict=True) if r["prefill_tps"]]
+    ax1.plot([c for c, _ in pre], [t for _, t in pre], marker="o")  # --decode-at rows prefill nothing
     ax1.set_ylabel("prefill tokens/s")
     ax2.plot(ctx, [float(r["gen_tps"]) for r in rows], marker="o", color="tab:orange")
     ax2.set_ylabel("decode tokens/s")

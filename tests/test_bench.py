@@ -26,6 +26,9 @@ def test_frontiers_incr_and_mul():
         (["--step-mul", "0.5"], "step-mul"),
         (["--ctx-max", "100", "-n", "10", "--ctx-alloc", "110"], "ctx-alloc"),
         (["--plot"], "--csv"),
+        (["--decode-at", "x"], "token counts"),
+        (["--decode-at", "7", "-n", "2", "--repeats", "2"], "must exceed"),
+        (["--decode-at", "100", "--parallel", "2"], "pick one"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
@@ -65,6 +68,57 @@ def test_tiny_cpu_sweep(tmp_path, capsys):
         assert "matplotlib is not installed" in capsys.readouterr().err and not png.exists()
     else:
         assert png.exists() and png.with_suffix(".svg").exists()
+
+
+def test_tiny_cpu_decode_at(tmp_path, capsys):
+    """--decode-at: one row per listed context (sorted), at the fill depth the timed runs leave room for,
+    nothing prefilled, KV bytes of that depth; the plot skips the empty prefill column."""
+    if not BENCH_TEXT.exists():
+        pytest.skip(f"bench text missing: {BENCH_TEXT}")
+    out = tmp_path / "d.csv"
+    argv = ["-m", "tiny", "--cpu", "-t", "1", "--decode-at", "300,100", "-n", "2", "--repeats", "2"]
+    assert bench.main([*argv, "--csv", str(out), "--plot"]) == 0
+    with open(out, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    from ds4.config import TINY
+
+    assert [int(r["ctx_tokens"]) for r in rows] == [100 - 7, 300 - 7]  # C - 2 x (2 + 1) - 1
+    for r in rows:
+        assert int(r["prefill_tokens"]) == 0 and r["prefill_tps"] == "" and int(r["gen_tokens"]) == 2
+        assert float(r["gen_tps"]) > 0 and float(r["weights_gbps"]) > 0
+        assert int(r["kvcache_bytes"]) == payload_size(TINY, int(r["ctx_tokens"]))
+
+
+def test_decode_at_fills_device_states():
+    """fill_random on the device model's states (CudaModel on the CPU device): every buffer random, the
+    position at the depth; the CPU reference's state gets ring / compressed / indexer rows of that depth's
+    lengths; the decode then continues from there."""
+    import torch
+    from _gguf_model import load_model
+
+    from ds4.gguf import open_model
+    from ds4.model.cuda import CudaModel, gguf_source
+    from ds4.tools.make_model import ensure_tiny_model
+
+    torch.set_num_threads(1)
+    mf = open_model(ensure_tiny_model())
+    dev = CudaModel(mf.config, gguf_source(mf), has=mf.has, device="cpu")
+    st = dev.new_state(200)
+    bench.fill_random(st, 150, dev.cfg.window)
+    assert st.n_tokens == 150
+    assert all(float(t.abs().sum()) > 0 for layer in st.layers for t in layer.tensors())
+    assert dev.decode_greedy(st, 3, 2).numel() == 2 and st.n_tokens == 152
+
+    cpu = load_model(ensure_tiny_model())  # the CPU reference (DS4Model)
+    cs = cpu.new_state(200)
+    bench.fill_random(cs, 150, cpu.cfg.window)
+    for layer in cs.layers:
+        assert layer.raw.shape[0] == min(150, cpu.cfg.window)
+        if layer.comp is not None:
+            assert layer.comp.shape[0] == 150 // layer.ratio
+        if layer.index is not None:
+            assert layer.index.shape[0] == 150 // 4
+    assert cpu.forward(cs, [3]).shape[-1] == cpu.cfg.n_vocab and cs.n_tokens == 151
 
 
 def test_greedy_skips_eos():

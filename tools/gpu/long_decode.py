@@ -8,7 +8,8 @@ On the H200:  PYTHONPATH=. python3 tools/gpu/long_decode.py [ctx ...]     (defau
               kernels at that depth, torch.profiler, the top 15 by CUDA time)
 
 Per context: the session's KV bytes on the device, greedy decode tok/s through the CUDA graph (median of
-REPS runs of N steps, after a capture run), and the peak GPU memory so far.
+REPS runs of N steps, after a capture run), and the peak GPU memory so far. `ds4-bench --decode-at` measures
+the same in the benchmark's CSV format (session 19 ran this tool, before that option existed).
 """
 
 from __future__ import annotations
@@ -34,11 +35,8 @@ def state_bytes(st) -> int:
 def decode_at(m, ctx: int) -> str:
     """One line: ctx, KV GB, tok/s at depth ctx - N * (REPS + 1) - SLACK, peak GB."""
     st = m.new_state(ctx)
-    for layer in st.layers:
-        for t in layer.tensors():
-            t.normal_()
     depth = ctx - N * (REPS + 1) - SLACK
-    st.n_tokens = depth
+    bench.fill_random(st, depth, m.cfg.window)
     first = 1000
     m.decode_greedy(st, first, N)  # capture + compile at this context's bucket
     runs = []
@@ -60,10 +58,7 @@ def profile_at(m, ctx: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     st = m.new_state(ctx)
-    for layer in st.layers:
-        for t in layer.tensors():
-            t.normal_()
-    st.n_tokens = ctx - 2 * SLACK
+    bench.fill_random(st, ctx - 2 * SLACK, m.cfg.window)
     m.graphs = False
     m.decode_greedy(st, 1000, 1)  # warm-up: compiles
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

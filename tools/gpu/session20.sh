@@ -2,8 +2,8 @@
 # Device calls prepared in session 19 for what it built without device time (.gpu/shared carried):
 #   part a: the indexer top-k with several programs a row (topk.select_rows_wide, layer.INDEXER_WIDE, off):
 #           its GPU tests (and the top-k / model ones), bench_topk_hc (per call, equal sets at 4k .. 1M ctx),
-#           the whole model at 64k ctx with it (ab_decode) and at 64k / 256k / 1M (long_decode, one process
-#           per setting).
+#           the whole model at 64k ctx with it (ab_decode) and at 64k / 256k / 1M (ds4-bench --decode-at,
+#           one process per setting).
 #   part b: the Q8_0 batch-1 matvec with its weight tiles by TMA copies into a ring of shared buffers
 #           (matvec.Q8Config.tma, DS4_Q8_TMA, off): its GPU tests at the Flash shapes, bench_q8 --variants
 #           --latest (per shape and per decode step), the whole model at 4k ctx with each tile.
@@ -14,8 +14,9 @@ if [ "$1" = a ]; then
     tests/test_cuda_backend.py -k "select or topk or official"
   TAIL=8 run bench 90 python3 tools/gpu/bench_topk_hc.py
   TAIL=8 run ab 150 python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 --variants "select wide"
-  TAIL=4 run long_off 60 python3 tools/gpu/long_decode.py 65536 262144 1048576
-  TAIL=4 run long_on "$(left)" env DS4_INDEXER_WIDE=1 python3 tools/gpu/long_decode.py 65536 262144 1048576
+  TAIL=4 run long_off 70 python3 -m ds4.bench --synthetic flash-q2 --decode-at 65536,262144,1048576 -n 32
+  TAIL=4 run long_on "$(left)" env DS4_INDEXER_WIDE=1 python3 -m ds4.bench --synthetic flash-q2 \
+    --decode-at 65536,262144,1048576 -n 32
 fi
 if [ "$1" = b ]; then
   TAIL=4 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
