@@ -551,13 +551,17 @@ def test_iq2_sign_bits_exhaustive():
 VARIANT_CONFIGS = [
     moe.MoeConfig(16, 1, 4, int8=True, sign_math=True, prefetch=True, gather=True),
     moe.MoeConfig(16, 2, 4, int8=True, prefetch=True, terms=1, gather=True, fixup=True),
+    moe.MoeConfig(16, 1, 4, int8=True, prmt=True, stages=3),  # session 19: the loop pipelined by Triton
 ]
 
 
 @pytest.mark.parametrize(
     "cfg",
     VARIANT_CONFIGS,
-    ids=lambda c: f"s{c.splits}-pf{int(c.prefetch)}-{'math' if c.sign_math else 'masks'}-t{c.terms}",
+    ids=lambda c: (
+        f"s{c.splits}-pf{int(c.prefetch)}-{'math' if c.sign_math else 'masks'}-t{c.terms}"
+        + f"-st{c.stages}" * bool(c.stages)
+    ),
 )
 def test_moe_int8_variants(cfg):
     wg, wu, wd, ids, x, mid, weights = _int8_case(16, 512, 54)
@@ -805,6 +809,8 @@ def test_moe_int8_variants_flash_widths_cuda():
         moe.MoeConfig(64, 2, 4, int8=True, prefetch=True, terms=1),
         moe.MoeConfig(64, 1, 4, int8=True, fixup=True),
         moe.MoeConfig(32, 2, 4, int8=True, fixup=True, prefetch=True, terms=1),
+        moe.MoeConfig(16, 1, 4, int8=True, prmt=True, stages=3),  # the loops pipelined by Triton
+        moe.MoeConfig(64, 1, 4, int8=True, prmt=True, stages=4),
     ]
     for b in (1, 4):
         ids = torch.randint(0, 8, (b, 6), generator=gen, device=DEVICE).int()

@@ -674,6 +674,25 @@ def _iq2_q8k_dot(
 
 
 @triton.jit
+def _iq2_gate_up_step(
+    acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r, ksm_r,
+    TERMS: tl.constexpr, DP4A: tl.constexpr, SIGN_MATH: tl.constexpr, GATHER: tl.constexpr, LDS: tl.constexpr,
+):  # fmt: skip
+    """One super-block step of _iq2_q8k_gate_up_kernel without PREFETCH: x's block kt, then gate's, then
+    up's (the session-3 op order) -> the updated (acc_g, acc_u)."""
+    xlo, xhi, x2lo, x2hi, dx = _x_load(xo, xplane, xd, kt, nb, xg, TERMS)
+    acc_g += _iq2_q8k_block(
+        gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
+        SIGN_MATH, GATHER, LDS,
+    )  # fmt: skip
+    acc_u += _iq2_q8k_block(
+        uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
+        SIGN_MATH, GATHER, LDS,
+    )  # fmt: skip
+    return acc_g, acc_u
+
+
+@triton.jit
 def _iq2_q8k_gate_up_kernel(
     xw_ptr,
     dx_ptr,
@@ -702,6 +721,7 @@ def _iq2_q8k_gate_up_kernel(
     PREFETCH: tl.constexpr = False,
     GATHER: tl.constexpr = False,
     LDS: tl.constexpr = False,
+    STAGES: tl.constexpr = 0,
 ):
     """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/8] int64: one group's 8
     int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel.
@@ -734,8 +754,7 @@ def _iq2_q8k_gate_up_kernel(
         gi_n, ga_n, gd_n = _iq2_load(gq, gs, gd, wrow, kn, nb)
         ui_n, ua_n, ud_n = _iq2_load(uq, us, ud, wrow, kn, nb)
         xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n = _x_load(xo, xplane, xd, kn, nb, xg, TERMS)
-    for kt in range(lo, hi):
-        if PREFETCH:
+        for kt in range(lo, hi):
             gi, ga, gdd, ui, ua, udd = gi_n, ga_n, gd_n, ui_n, ua_n, ud_n
             xlo, xhi, x2lo, x2hi, dx = xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n
             kn = tl.minimum(kt + 1, hi - 1)  # the last step reloads its own block (unused)
@@ -750,15 +769,17 @@ def _iq2_q8k_gate_up_kernel(
                 ui, ua, udd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH,
                 GATHER, LDS,
             )  # fmt: skip
-        else:  # the session-3 op order (the default's SASS unchanged): x, then gate's block, then up's
-            xlo, xhi, x2lo, x2hi, dx = _x_load(xo, xplane, xd, kt, nb, xg, TERMS)
-            acc_g += _iq2_q8k_block(
-                gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
-                SIGN_MATH, GATHER, LDS,
+    elif STAGES:  # the loop's loads software-pipelined by Triton, STAGES - 1 blocks ahead (MoeConfig.stages)
+        for kt in tl.range(lo, hi, num_stages=STAGES):
+            acc_g, acc_u = _iq2_gate_up_step(
+                acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r,
+                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS,
             )  # fmt: skip
-            acc_u += _iq2_q8k_block(
-                uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
-                SIGN_MATH, GATHER, LDS,
+    else:  # the session-3 op order (the default's SASS unchanged): x, then gate's block, then up's
+        for kt in range(lo, hi):
+            acc_g, acc_u = _iq2_gate_up_step(
+                acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r,
+                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS,
             )  # fmt: skip
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
@@ -899,6 +920,17 @@ def _q2k_load(xo, xplane, xd, qw, sc, dm, wrow, kt, nb, TERMS: tl.constexpr):
 
 
 @triton.jit
+def _q2k_down_step(
+    acc, xo, xplane, xd, qw, sc, dm, wrow, kt, nb, BN: tl.constexpr, TERMS: tl.constexpr, DP4A: tl.constexpr
+):
+    """acc [BN, 4] + super-block kt of _q2k_q8k_down_kernel without PREFETCH (integer sums, scaled once)."""
+    ii, mm = _q2k_block_sums(xo, xplane, qw, sc, wrow, kt, nb, BN, TERMS, DP4A)
+    dx = tl.load(xd + kt)
+    d, dmin = _q2k_scales(dm, wrow, kt, nb)
+    return acc + ((d * dx) * ii.to(tl.float32) - (dmin * dx) * mm.to(tl.float32))
+
+
+@triton.jit
 def _q2k_q8k_down_kernel(
     xw_ptr,
     dx_ptr,
@@ -923,6 +955,7 @@ def _q2k_q8k_down_kernel(
     n_slots=1,
     order_ptr=None,
     ORDER: tl.constexpr = False,
+    STAGES: tl.constexpr = 0,
 ):
     """Q2_K down projection of one pair on its quantized mid row (xw [TERMS, pairs, F/4] int32 words, planes
     xplane = pairs F / 4 words apart; dx [pairs, F/256]); output as _down_kernel. Quant word 4c + jj (c =
@@ -973,11 +1006,12 @@ def _q2k_q8k_down_kernel(
             acc += (d[:, None, None] * dx) * sv - (dmin[:, None, None] * dx) * mv
     else:  # one [BN, 4c] pair of integer sums per super-block (_q2k_block_sums), scaled once
         acc = tl.zeros([BN, 4], dtype=tl.float32)  # per (row, 16-byte group) partial sums
-        for kt in range(lo, hi):
-            ii, mm = _q2k_block_sums(xo, xplane, qw, sc, wrow, kt, nb, BN, TERMS, DP4A)
-            dx = tl.load(xd + kt)
-            d, dmin = _q2k_scales(dm, wrow, kt, nb)
-            acc += (d * dx) * ii.to(tl.float32) - (dmin * dx) * mm.to(tl.float32)
+        if STAGES:  # the loop's loads software-pipelined by Triton (MoeConfig.stages)
+            for kt in tl.range(lo, hi, num_stages=STAGES):
+                acc = _q2k_down_step(acc, xo, xplane, xd, qw, sc, dm, wrow, kt, nb, BN, TERMS, DP4A)
+        else:
+            for kt in range(lo, hi):
+                acc = _q2k_down_step(acc, xo, xplane, xd, qw, sc, dm, wrow, kt, nb, BN, TERMS, DP4A)
         acc = acc[:, :, None]  # [BN, 4, 1]: reduced below as the prefetch path's [BN, 4, 4]
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     if FIXUP:  # the k slots and S splits of row b are the "splits" of _split_fixup: [S k, B, D] partials
@@ -1080,6 +1114,10 @@ class MoeConfig:
     grid16: bool = False  # int8 IQ2_XXS: the grid as 16-bit codes (_grid_words; with prmt: _spread_codes)
     prmt: bool = False  # int8 IQ2_XXS: signed grid bytes by byte permutes from nibble tables (_prmt_words)
     lds: bool = False  # int8 IQ2_XXS, prmt: the nibble tables from a static shared copy (_lds_fill, PTX)
+    # int8 kernels without prefetch: > 0 runs the super-block loop as tl.range(num_stages=stages), Triton
+    # software-pipelining its loads through shared memory (stages - 1 blocks ahead, no registers held); 0:
+    # the plain loop (session 19: built, not yet timed)
+    stages: int = 0
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
@@ -1204,7 +1242,7 @@ def moe_gate_up(
             xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"], tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
             TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, PREFETCH=cfg.prefetch,
-            GATHER=cfg.gather, LDS=cfg.lds, num_warps=cfg.warps,
+            GATHER=cfg.gather, LDS=cfg.lds, STAGES=cfg.stages, num_warps=cfg.warps,
             launch_pdl=PDL,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
@@ -1315,7 +1353,7 @@ def _q2k_int8_launch(mid, rw, wd: PackedWeight, ids, part, grid, per: int, cfg: 
     _q2k_q8k_down_kernel[grid](
         xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"], w["dm"], ids, rw, part, wd.N, F,
         wd.shape[0], P * F // 4, per, BN=cfg.bn, TERMS=cfg.terms, DP4A=_dp4a(mid, cfg),
-        PREFETCH=cfg.prefetch, num_warps=cfg.warps, launch_pdl=PDL, **extra,
+        PREFETCH=cfg.prefetch, STAGES=cfg.stages, num_warps=cfg.warps, launch_pdl=PDL, **extra,
     )  # fmt: skip
 
 

@@ -57,6 +57,8 @@ Variants (each the other side of an engine default; env names in brackets):
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
   moe down bn32   moe.DOWN.bn = 32
+  moe st3 / st2   moe.GATE_UP / DOWN .stages = 3 / 2: the B = 1 expert kernels' loops pipelined by Triton
+                  ("moe gu st3" / "moe dn st3": one of them)
   moe lds (math)  moe.GATE_UP.lds (DS4_MOE_LDS=1): the nibble tables in static shared memory (+ sign math)
   q8 tma          matvec.Q8_MV1.tma at Q8_TMA_TILE (DS4_Q8_TMA=1): the weight tiles by TMA copies into a
                   ring of shared buffers; "q8 tma bn32" / "bn8" / "s3" / "s6": other rows / stages
@@ -105,6 +107,10 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "moe bn8": {(moe, "GATE_UP"): replace(moe.GATE_UP, bn=8)},
     "moe s2": {(moe, "GATE_UP"): replace(moe.GATE_UP, splits=2)},
     "moe down bn32": {(moe, "DOWN"): replace(moe.DOWN, bn=32)},
+    "moe st3": {(moe, "GATE_UP"): replace(moe.GATE_UP, stages=3), (moe, "DOWN"): replace(moe.DOWN, stages=3)},
+    "moe gu st3": {(moe, "GATE_UP"): replace(moe.GATE_UP, stages=3)},
+    "moe dn st3": {(moe, "DOWN"): replace(moe.DOWN, stages=3)},
+    "moe st2": {(moe, "GATE_UP"): replace(moe.GATE_UP, stages=2), (moe, "DOWN"): replace(moe.DOWN, stages=2)},
     "moe lds": {(moe, "GATE_UP"): replace(moe.GATE_UP, lds=True)},
     "moe lds math": {(moe, "GATE_UP"): replace(moe.GATE_UP, lds=True, sign_math=True)},
     "no step memo": {(layer, "STEP_MEMO"): False},

@@ -61,6 +61,7 @@ def label(cfg: moe.MoeConfig) -> str:
         + (" g16" if cfg.grid16 else "")
         + (" prmt" if cfg.prmt else "")
         + (" lds" if cfg.lds else "")
+        + (f" st{cfg.stages}" if cfg.stages else "")
         + ("" if cfg.dp4a else " int32")
     )
     return f"int8 bn{cfg.bn} w{cfg.warps}{extra} t{cfg.terms}"
@@ -132,11 +133,10 @@ _GU_DEF, _DN_DEF = replace(moe.GATE_UP, int8=True), replace(moe.DOWN, int8=True)
 GU_QUICK = [0, 1, 2, 3, 5, 6, 11, 12, 20, 21]  # pf, math, smem, smem math, smem math pf, bn8 pf, w8 pf,
 # w8 smem pf, prmt g16 (masks / math)
 DN_QUICK = [0, 1, 3, 6, 7, 8]  # bn64 pf, bn32 pf, bn64 s2, bn64 w8 pf, bn64 fix, bn64 pf fix
-# --latest (session 16): the nibble tables in static shared memory (MoeConfig.lds) at the default tile and
-# at bn 8 (beside bn 8 without them); session 15's tiles with more programs all lost (BENCHMARKS.md)
-GU_LATEST = [_new(bn=16, prmt=True, lds=True), _new(bn=16, prmt=True, lds=True, sign_math=True)]
-GU_LATEST += [_new(bn=8, prmt=True, lds=True), _new(bn=8, prmt=True)]
-DN_LATEST: list[moe.MoeConfig] = []
+# --latest (session 19): the default tiles with their super-block loop software-pipelined by Triton
+# (MoeConfig.stages: the loads go through shared memory, stages - 1 blocks ahead, no registers held)
+GU_LATEST = [replace(_GU_DEF, stages=s) for s in (2, 3, 4)] + [replace(_GU_DEF, bn=8, stages=3)]
+DN_LATEST = [replace(_DN_DEF, stages=s) for s in (2, 3, 4)] + [replace(_DN_DEF, bn=32, stages=3)]
 if "--latest" in sys.argv:
     QUICK, BATCHES = True, (1, 4)
     GU = [("default " + label(_GU_DEF), _GU_DEF)] + [(label(c), c) for c in GU_LATEST]

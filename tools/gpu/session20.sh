@@ -7,7 +7,10 @@
 #   part b: the Q8_0 batch-1 matvec with its weight tiles by TMA copies into a ring of shared buffers
 #           (matvec.Q8Config.tma, DS4_Q8_TMA, off): its GPU tests at the Flash shapes, bench_q8 --variants
 #           --latest (per shape and per decode step), the whole model at 4k ctx with each tile.
-# Usage: bash tools/gpu/session20.sh a|b
+#   part c: the B = 1 routed-expert kernels with their super-block loops software-pipelined by Triton
+#           (moe.MoeConfig.stages, off): their GPU tests, bench_moe --latest (B = 1 / 4 per layer), the whole
+#           model at 4k ctx with each.
+# Usage: bash tools/gpu/session20.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py \
@@ -24,4 +27,11 @@ if [ "$1" = b ]; then
   TAIL=14 run bench 120 python3 tools/gpu/bench_q8.py --variants --latest
   TAIL=10 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 \
     --variants "q8 tma,q8 tma bn32,q8 tma bn8,q8 tma s3,q8 tma s6"
+fi
+if [ "$1" = c ]; then
+  TAIL=4 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe.py \
+    -k "variants"
+  TAIL=16 run bench 150 python3 tools/gpu/bench_moe.py --latest
+  TAIL=10 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 \
+    --variants "moe st3,moe gu st3,moe dn st3,moe st2"
 fi
