@@ -135,7 +135,7 @@ def _mv1_int8(matvec):
 
 def _variants() -> dict[str, dict]:
     """--variants: name -> {(module, attribute): value} set for a timing, the defaults restored after."""
-    from ds4.kernels import attend, fused, matvec, moe_grouped
+    from ds4.kernels import attend, fused, matvec, moe, moe_grouped
     from ds4.model.cuda import fused as cfused
 
     return {
@@ -151,6 +151,7 @@ def _variants() -> dict[str, dict]:
         "prefetch all": {(layer, "PREFETCH"): {"attn": 42, "o": 36, "ffn": 29}},  # three sites, lane 4
         "merge ch8": {(attend, "MERGE_CH"): 8},  # the attention merge reading 8 key splits a step
         "small warps": {(fused, "ROUTER_WARPS"): 1, (fused, "KV_ROW_WARPS"): 1},  # one-warp row kernels
+        "dn st3": {(moe, "DOWN"): replace(moe.DOWN, stages=3)},  # the pair down's loop pipelined (B > 1 too)
         "hc bns32": {(fused, "HC_FINISH_BNS"): 32},  # the finish's partial sums in chunks of 32 (<= 16)
         "rows int8": _rows_int8(matvec),  # every q8_rows tile (narrow / default / wide) in mode int8
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},

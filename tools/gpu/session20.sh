@@ -9,7 +9,7 @@
 #           --latest (per shape and per decode step), the whole model at 4k ctx with each tile.
 #   part c: the B = 1 routed-expert kernels with their super-block loops software-pipelined by Triton
 #           (moe.MoeConfig.stages, off): their GPU tests, bench_moe --latest (B = 1 / 4 per layer), the whole
-#           model at 4k ctx with each.
+#           model at 4k ctx with each, and the batched steps with the pair down's (moe.DOWN's) at 3 stages.
 # Usage: bash tools/gpu/session20.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
@@ -32,6 +32,8 @@ if [ "$1" = c ]; then
   TAIL=4 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe.py \
     -k "variants"
   TAIL=16 run bench 150 python3 tools/gpu/bench_moe.py --latest
-  TAIL=10 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 \
+  TAIL=10 run ab 150 python3 tools/gpu/ab_decode.py --rounds 2 \
     --variants "moe st3,moe gu st3,moe dn st3,moe st2"
+  TAIL=8 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 1,8,32 --steps 16 \
+    --variants "default,dn st3"
 fi
