@@ -61,7 +61,8 @@ Variants (each the other side of an engine default; env names in brackets):
                   ("moe gu st3" / "moe dn st3": one of them)
   moe lds (math)  moe.GATE_UP.lds (DS4_MOE_LDS=1): the nibble tables in static shared memory (+ sign math)
   q8 tma          matvec.Q8_MV1.tma at Q8_TMA_TILE (DS4_Q8_TMA=1): the weight tiles by TMA copies into a
-                  ring of shared buffers; "q8 tma bn32" / "bn8" / "s3" / "s6": other rows / stages
+                  ring of shared buffers; "q8 tma bn32" / "bn8" / "s3" / "s6": other rows / stages; "q8
+                  pipe": its tile with plain loads (Triton's cp.async pipelining)
   q8 flat         matvec.Q8_MV1.flat = 660 (1056: "q8 flat 1056") long-lived programs on the large matrices
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
@@ -146,6 +147,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 tma bn8": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "bn": 8})},
     "q8 tma s3": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "stages": 3})},
     "q8 tma s6": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "stages": 6})},
+    "q8 pipe": {(mv, "Q8_MV1"): replace(BASE_Q8, **mv.Q8_TMA_TILE)},  # that tile with plain loads
     "q8 flat": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=660)},
     "q8 flat 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=1056)},
     "half prefetch": {

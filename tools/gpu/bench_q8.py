@@ -205,9 +205,11 @@ VARIANTS = {
     "tma bn8": replace(mv.Q8_MV1, tma=True, **{**mv.Q8_TMA_TILE, "bn": 8}),
     "tma s3": replace(mv.Q8_MV1, tma=True, **{**mv.Q8_TMA_TILE, "stages": 3}),
     "tma s6": replace(mv.Q8_MV1, tma=True, **{**mv.Q8_TMA_TILE, "stages": 6}),
+    # the same tile and stages with plain loads (cp.async pipelining, registers): TMA's share of any gain
+    "pipe bn16 tk256 s4": replace(mv.Q8_MV1, **mv.Q8_TMA_TILE),
 }
 if "--latest" in sys.argv:  # the default and this session's variants
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "default" or k.startswith("tma")}
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "default" or k.startswith(("tma", "pipe"))}
 
 
 def _variant(cfg: mv.Q8Config):

@@ -26,7 +26,7 @@ if [ "$1" = b ]; then
     tests/test_cuda_backend.py -k "q8_mv1 or official"
   TAIL=14 run bench 120 python3 tools/gpu/bench_q8.py --variants --latest
   TAIL=10 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 \
-    --variants "q8 tma,q8 tma bn32,q8 tma bn8,q8 tma s3,q8 tma s6"
+    --variants "q8 tma,q8 tma bn32,q8 tma bn8,q8 tma s3,q8 tma s6,q8 pipe"
 fi
 if [ "$1" = c ]; then
   TAIL=4 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe.py \
