@@ -16,10 +16,10 @@ if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py \
     tests/test_cuda_backend.py -k "select or topk or official"
   TAIL=8 run bench 90 python3 tools/gpu/bench_topk_hc.py
-  TAIL=8 run ab 150 python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 --variants "select wide"
-  TAIL=4 run long_off 70 python3 -m ds4.bench --synthetic flash-q2 --decode-at 65536,262144,1048576 -n 32
-  TAIL=4 run long_on "$(left)" env DS4_INDEXER_WIDE=1 python3 -m ds4.bench --synthetic flash-q2 \
+  TAIL=4 run long_off 80 python3 -m ds4.bench --synthetic flash-q2 --decode-at 65536,262144,1048576 -n 32
+  TAIL=4 run long_on 80 env DS4_INDEXER_WIDE=1 python3 -m ds4.bench --synthetic flash-q2 \
     --decode-at 65536,262144,1048576 -n 32
+  TAIL=8 run ab "$(left)" python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 --variants "select wide"
 fi
 if [ "$1" = b ]; then
   TAIL=4 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
