@@ -513,6 +513,21 @@ def _q8_tile(q, d, xv, XDIRECT: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _q8_program(dsc, N, K, NG, kt_per_split, BN: tl.constexpr, TK: tl.constexpr):
+    """What a batch-1 Q8_0 program (row tile pid 0, split pid 1) works on: (rows n [BN], their clamped
+    weight rows wrow, x group grp (int64: the program's rows all lie in one group, BN | NG), block offsets
+    blk [TK/32], scale pointers dp [BN, TK/32] of k-tile 0, the split's k-tiles [kt_lo, kt_hi))."""
+    pid_n = tl.program_id(0)
+    n = pid_n * BN + tl.arange(0, BN)
+    wrow = tl.minimum(n, N - 1).to(tl.int64)
+    grp = ((pid_n * BN) // NG).to(tl.int64)
+    blk = tl.arange(0, TK // 32)
+    dp = dsc + wrow[:, None] * (K // 32) + blk[None, :]
+    kt_lo = tl.program_id(1) * kt_per_split
+    return n, wrow, grp, blk, dp, kt_lo, tl.minimum(kt_lo + kt_per_split, K // TK)
+
+
+@triton.jit
 def _q8_out(out_ptr, sum_ptr, cnt_ptr, acc, n, N, FIXUP: tl.constexpr):
     """Store a batch-1 Q8_0 program's partial (acc [BN, TB] summed over its blocks) for rows n [BN] at its
     split's row of out [S, N]; FIXUP: the tile's last split also writes the sum (_split_fixup)."""
@@ -547,13 +562,9 @@ def _q8_mv1_kernel(
     """Partials out [S, N], program (row tile, split); FIXUP: the last split of each row tile also writes
     the sum to sum_ptr [N] (counters cnt_ptr, one per row tile). XDIRECT / MAGIC / PREFETCH: Q8Config's
     xdirect / magic / prefetch (MAGIC: qs is the int32 view of the quants)."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
     TB: tl.constexpr = TK // 32  # blocks per k-tile
-    n = pid_n * BN + tl.arange(0, BN)
-    wrow = tl.minimum(n, N - 1).to(tl.int64)
-    xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
-    blk = tl.arange(0, TB)
+    n, wrow, grp, blk, dp, kt_lo, kt_hi = _q8_program(dsc, N, K, NG, kt_per_split, BN, TK)
+    xbase = grp * K
     if MAGIC:  # [BN, TB, 8] words of 4 quants; x as [TB, 8, 4]
         e8 = tl.arange(0, 8)
         qp = qs + wrow[:, None, None] * (K // 4) + blk[None, :, None] * 8 + e8[None, None, :]
@@ -567,9 +578,6 @@ def _q8_mv1_kernel(
         if XDIRECT:
             xp = tl.broadcast_to(xp[None], [BN, TB, 32])
         QK: tl.constexpr = TK
-    dp = dsc + wrow[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
-    kt_lo = pid_s * kt_per_split
-    kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
     acc = tl.zeros([BN, TB], dtype=tl.float32)
     if PREFETCH:  # the first k-tile's weights before the wait: static (see dispatch.PDL_EARLY)
         q0 = tl.load(qp + kt_lo * QK)
@@ -604,27 +612,20 @@ def _q8_tma_kernel(
     """_q8_mv1_kernel with the quants read through qs_desc, a TMA descriptor of qs [N, K] with block [BN,
     TK] (Q8Config.tma): the k loop's copies go to a ring of STAGES shared buffers, STAGES - 1 ahead of the
     math (rows past N arrive as zeros). PREFETCH: the first k-tile copied before the wait (static weights)."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
     TB: tl.constexpr = TK // 32  # blocks per k-tile
-    n = pid_n * BN + tl.arange(0, BN)
-    wrow = tl.minimum(n, N - 1).to(tl.int64)
-    xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
-    blk = tl.arange(0, TB)
-    xp = x_ptr + xbase + blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [TB, 32]
-    dp = dsc + wrow[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
-    kt_lo = pid_s * kt_per_split
-    kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
+    n, wrow, grp, blk, dp, kt_lo, kt_hi = _q8_program(dsc, N, K, NG, kt_per_split, BN, TK)
+    r0 = tl.program_id(0) * BN  # the tile's first row, as the descriptor takes it
+    xp = x_ptr + grp * K + blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [TB, 32]
     acc = tl.zeros([BN, TB], dtype=tl.float32)
     if PREFETCH:  # the first k-tile's weights before the wait: static (see dispatch.PDL_EARLY)
-        q0 = qs_desc.load([pid_n * BN, kt_lo * TK])
+        q0 = qs_desc.load([r0, kt_lo * TK])
         d0 = tl.load(dp + kt_lo * TB)
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     if PREFETCH:
         acc += _q8_tile(tl.reshape(q0, (BN, TB, 32)), d0, tl.load(xp + kt_lo * TK), False, False)
         kt_lo += 1
     for kt in tl.range(kt_lo, kt_hi, num_stages=STAGES):
-        q = tl.reshape(qs_desc.load([pid_n * BN, kt * TK]), (BN, TB, 32))
+        q = tl.reshape(qs_desc.load([r0, kt * TK]), (BN, TB, 32))
         acc += _q8_tile(q, tl.load(dp + kt * TB), tl.load(xp + kt * TK), False, False)
     _q8_out(out_ptr, sum_ptr, cnt_ptr, acc, n, N, FIXUP)
 
@@ -678,21 +679,13 @@ def _q8_int_kernel(
 ):
     """_q8_mv1_kernel on quantized x (Q8Config.int8): xq_ptr the int32 words of x's planes [2, G, K/4] (XPLANE
     words apart), dx_ptr their scales [G, K/32], qs the int32 words of the quants [N, K/4]."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
     TB: tl.constexpr = TK // 32  # blocks per k-tile
     QK: tl.constexpr = TK // 4  # words per k-tile
-    n = pid_n * BN + tl.arange(0, BN)
-    wrow = tl.minimum(n, N - 1).to(tl.int64)
-    grp = ((pid_n * BN) // NG).to(tl.int64)  # the program's rows all lie in one group (BN | NG)
-    blk = tl.arange(0, TB)
+    n, wrow, grp, blk, dp, kt_lo, kt_hi = _q8_program(dsc, N, K, NG, kt_per_split, BN, TK)
     e8 = tl.arange(0, 8)
     qp = qs + wrow[:, None, None] * (K // 4) + blk[None, :, None] * 8 + e8[None, None, :]  # [BN, TB, 8]
     xp = tl.broadcast_to((xq_ptr + grp * (K // 4) + blk[:, None] * 8 + e8[None, :])[None], [BN, TB, 8])
-    dp = dsc + wrow[:, None] * (K // 32) + blk[None, :]  # [BN, TB]
     dxp = dx_ptr + grp * (K // 32) + blk  # [TB]
-    kt_lo = pid_s * kt_per_split
-    kt_hi = tl.minimum(kt_lo + kt_per_split, K // TK)
     acc = tl.zeros([BN, TB], dtype=tl.float32)
     if PREFETCH:  # the first k-tile's weights before the wait: static (see dispatch.PDL_EARLY)
         q0 = tl.load(qp + kt_lo * QK)
