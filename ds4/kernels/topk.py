@@ -142,10 +142,12 @@ def _digit_hist(u, valid, prefix, pmask, SHIFT: tl.constexpr):
 @triton.jit
 def _pick_digit(hist, krem):
     """(d, n_above): the digit whose bin holds the krem-th largest of the histogram's values (counted from
-    bin 255 down) and how many lie in the bins above it."""
-    rev = tl.flip(hist, 0)  # rev[j] = hist[255 - j]
+    the top bin down) and how many lie in the bins above it."""
+    NB: tl.constexpr = hist.shape[0]
+    rev = tl.flip(hist, 0)  # rev[j] = hist[NB - 1 - j]
     j = tl.sum((tl.cumsum(rev, 0) < krem).to(tl.int32), 0)
-    return 255 - j, tl.sum(tl.where(tl.arange(0, 256) < j, rev, 0), 0)
+    d = j * -1 + (NB - 1)  # the tensor first: constexpr - tensor stays a constexpr under the interpreter
+    return d, tl.sum(tl.where(tl.arange(0, NB) < j, rev, 0), 0)
 
 
 @triton.jit
@@ -258,10 +260,9 @@ def _wide_state(state_ptr, hist_ptr, G, K, BINS: tl.constexpr, SHIFT: tl.constex
     row = hist_ptr + b.to(tl.int64) * G * BINS
     for q in range(G):
         hist += tl.load(row + q * BINS + bins)
-    rev = tl.flip(hist, 0)  # rev[j] = hist[BINS - 1 - j]
-    j = tl.sum((tl.cumsum(rev, 0) < krem).to(tl.int32), 0)
-    krem -= tl.sum(tl.where(bins < j, rev, 0), 0)
-    prefix |= (BINS - 1 - j).to(tl.uint32) << SHIFT
+    d, above = _pick_digit(hist, krem)
+    krem -= above
+    prefix |= d.to(tl.uint32) << SHIFT
     pmask |= tl.full([], (1 << WIDTH) - 1, tl.uint32) << SHIFT
     return prefix, pmask, krem
 
