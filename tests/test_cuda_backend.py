@@ -202,9 +202,10 @@ def test_cuda_wide_select_changes_no_bit(official_gguf, monkeypatch):
     model = _cached_cuda(official_gguf)
     out = {}
     for wide in (False, True):
+        monkeypatch.setattr(layer, "INDEXER_WIDE", wide)
         if wide:
-            monkeypatch.setattr(layer, "INDEXER_WIDE", True)
             monkeypatch.setattr(layer, "INDEXER_SELECT_MAX", 4)  # every indexer row past it
+            monkeypatch.setattr(layer, "INDEXER_WIDE_MAX", 1 << 18)
             monkeypatch.setattr(topk, "WIDE_MIN_CHUNK", 32)
             monkeypatch.setattr(topk, "WIDE_PROGRAMS", 4)
         st = model.new_state(400)

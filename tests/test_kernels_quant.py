@@ -135,6 +135,7 @@ Q8_TILES = [
     matvec.Q8Config(16, 256, 4, 3, 8, prefetch=True, tma=True),  # the first k-tile copied before the wait
     matvec.Q8Config(8, 256, 4, 4, 10**6, prefetch=True, tma=True),  # one k-tile per split: all peeled
     matvec.Q8Config(32, 1024, 4, 2, 1, tma=True),  # no split; tk taken as 256 (a TMA box row)
+    matvec.Q8Config(32, 256, 4, 4, 2112, xdirect=True, prefetch=True, tma=True),  # the head's (Q8_HEAD)
 ]
 # Q8Config.int8 against its twin ref.qmatvec_q8_0_int (the same integers, f32 rounding apart): F32_TOL;
 # against the exact f32 product: x's rounding error is <= amax / 64516 per value of each 32-block
@@ -212,6 +213,22 @@ def test_q8_mv1_flat_programs(monkeypatch, n, k, groups, programs):
         ref.qmatvec_grouped(x.view(1, groups, k), w).reshape(-1) if groups > 1 else ref.qmatvec(x[None], w)[0]
     )
     assert rel_err(matvec.q8_mv1(x, w, n, cfg), want) < F32_TOL
+
+
+def test_qmatvec_takes_q8_head_tile_for_the_widest_matrices(monkeypatch):
+    """qmatvec at B = 1 runs Q8_0 matrices of >= Q8_HEAD_ROWS rows at Q8_HEAD (when set) and the others at
+    Q8_MV1; both within the f32 bound of the exact product."""
+    head = matvec.Q8Config(32, 256, 4, 4, 2112, xdirect=True, prefetch=True, tma=True)
+    monkeypatch.setattr(matvec, "Q8_HEAD", head)
+    monkeypatch.setattr(matvec, "Q8_HEAD_ROWS", 64)
+    seen = []
+    real = matvec.q8_mv1
+    monkeypatch.setattr(matvec, "q8_mv1", lambda x, w, g, cfg=None: seen.append(cfg) or real(x, w, g, cfg))
+    for n in (64, 32):
+        w = packed(GGMLType.Q8_0, (n, 512), seed=40 + n)
+        x = torch.randn(1, 512, generator=generator(40 + n), device=DEVICE)
+        assert rel_err(matvec.qmatvec(x, w), ref.qmatvec(x, w)) < F32_TOL
+    assert seen == [head, None]
 
 
 def test_q8_0_int_twin_within_its_rounding_bound():

@@ -121,14 +121,20 @@ def test_select_rows_wide_all_equal_and_bounds(monkeypatch) -> None:
 
 
 def test_decode_takes_the_select_for_rows_in_registers(monkeypatch) -> None:
-    """layer._indexer_picker: the select up to INDEXER_SELECT_MAX scores a row, the sort past it or off."""
+    """layer._indexer_picker: the select up to INDEXER_SELECT_MAX scores a row, the wide select past it up to
+    INDEXER_WIDE_MAX (and never past topk.WIDE_MAX), the sort past that or with both off."""
     from ds4.model.cuda import layer
 
+    monkeypatch.setattr(layer, "INDEXER_WIDE", True)
+    monkeypatch.setattr(layer, "INDEXER_WIDE_MAX", 16384)
     assert layer._indexer_picker(layer.INDEXER_SELECT_MAX) is topk.select_rows
-    assert layer._indexer_picker(layer.INDEXER_SELECT_MAX + 1) is layer._top_rows
-    monkeypatch.setattr(layer, "INDEXER_WIDE", True)  # the rows past it: the wide select, up to WIDE_MAX
     assert layer._indexer_picker(layer.INDEXER_SELECT_MAX + 1) is topk.select_rows_wide
+    assert layer._indexer_picker(16384) is topk.select_rows_wide
+    assert layer._indexer_picker(16385) is layer._top_rows
+    monkeypatch.setattr(layer, "INDEXER_WIDE_MAX", 1 << 30)
+    assert layer._indexer_picker(topk.WIDE_MAX) is topk.select_rows_wide
     assert layer._indexer_picker(topk.WIDE_MAX + 1) is layer._top_rows
-    monkeypatch.setattr(layer, "INDEXER_SELECT", False)
     monkeypatch.setattr(layer, "INDEXER_WIDE", False)
+    assert layer._indexer_picker(layer.INDEXER_SELECT_MAX + 1) is layer._top_rows
+    monkeypatch.setattr(layer, "INDEXER_SELECT", False)
     assert layer._indexer_picker(64) is layer._top_rows

@@ -487,6 +487,17 @@ Q8_MV1 = Q8Config(
     int8=_Q8_INT8,
     tma=_Q8_TMA and not _Q8_INT8,
 )
+# The tile of the Q8_0 matrices of at least Q8_HEAD_ROWS rows (Flash: the output head alone, 129,280 x 4,096,
+# 563 MB; the next largest has 32,768 rows): the TMA kernel at 32 rows a program. bench_q8.py --variants
+# (H200, session 20, cold L2): head 154.0 us (3.65 TB/s) vs 182.5 us (3.08 TB/s) by Q8_MV1, while the other
+# shapes were 2-14 % slower with it (whole model at 4k ctx, "q8 tma bn32" everywhere: x0.978). None: Q8_MV1
+# for every size. Not yet timed in the whole model: off; env DS4_Q8_HEAD_TMA=1: on.
+Q8_HEAD_ROWS = 65536
+Q8_HEAD: Q8Config | None = (
+    replace(Q8_MV1, tma=True, **{**Q8_TMA_TILE, "bn": 32})
+    if os.environ.get("DS4_Q8_HEAD_TMA", "0") == "1"
+    else None
+)
 
 
 @triton.jit
@@ -805,6 +816,11 @@ def q8_mv1(
     return o.result()
 
 
+def _q8_head_cfg(x: torch.Tensor, n: int) -> Q8Config | None:
+    """Q8_HEAD for a matrix of n >= Q8_HEAD_ROWS rows where the TMA kernel runs, else None (Q8_MV1)."""
+    return Q8_HEAD if Q8_HEAD is not None and n >= Q8_HEAD_ROWS and tma_ok(x) else None
+
+
 def q8_mv1_plan(n: int, k: int, cfg: Q8Config) -> tuple[int, int, int]:
     """(TK, k-tiles per split, splits) of q8_mv1 for n rows of length k: enough splits that the row tiles
     times the splits reach cfg.target programs, as far as the k-tiles allow."""
@@ -842,7 +858,7 @@ def qmatvec(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if B == 0 or N == 0:
         return torch.zeros(B, N, dtype=torch.float32, device=x.device)
     if B == 1 and w.qtype == GGMLType.Q8_0:
-        return q8_mv1(x, w, N).view(1, N)
+        return q8_mv1(x, w, N, _q8_head_cfg(x, N)).view(1, N)
     if _takes_q8_rows(B, x, w):
         return q8_rows(x, w, N)
     return _qmatvec_tiles(x, w)

@@ -14,6 +14,8 @@ shapes fixed by (B, n, k): a CUDA graph can capture it. Measured slower than the
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -226,7 +228,7 @@ def select_rows(score: torch.Tensor, k: int) -> torch.Tensor:
 # launch sums the G histograms and picks the digit), a counting pass (how many of each chunk lie above the
 # threshold or equal it), and the write (each chunk's offset from the counts of the chunks before it): 5
 # launches, no atomics, no memsets, the same indices in the same (ascending) order as select_rows.
-WIDE_PROGRAMS = 16  # chunks a row at most
+WIDE_PROGRAMS = int(os.environ.get("DS4_WIDE_PROGRAMS", "16"))  # chunks a row at most (env: for A/B runs)
 WIDE_MIN_CHUNK = 2048  # scores a program at least
 WIDE_MAX = 1 << 18  # scores a row at most (262,144: a 1M-token context's ratio-4 rows); longer rows: the sort
 WIDE_BINS = 2048  # histogram bins of a pass (11 bits)

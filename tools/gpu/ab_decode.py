@@ -52,8 +52,9 @@ Variants (each the other side of an engine default; env names in brackets):
                   (42 MB) at the layer's start; "prefetch ffn": the shared expert + router (29 MB) before
                   the FFN's HC; "prefetch all": the three
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
-  select wide     layer.INDEXER_WIDE (DS4_INDEXER_WIDE=1) rows past INDEXER_SELECT_MAX by
-                  topk.select_rows_wide instead of the sort (time it at --ctx 65536)
+  no wide         layer.INDEXER_WIDE off (DS4_INDEXER_WIDE=0): the rows past INDEXER_SELECT_MAX by the sort,
+                  not topk.select_rows_wide (time it at --ctx 65536); "wide all": INDEXER_WIDE_MAX = 2^18,
+                  the wide select up to 1M ctx
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
   moe down bn32   moe.DOWN.bn = 32
@@ -62,7 +63,8 @@ Variants (each the other side of an engine default; env names in brackets):
   moe lds (math)  moe.GATE_UP.lds (DS4_MOE_LDS=1): the nibble tables in static shared memory (+ sign math)
   q8 tma          matvec.Q8_MV1.tma at Q8_TMA_TILE (DS4_Q8_TMA=1): the weight tiles by TMA copies into a
                   ring of shared buffers; "q8 tma bn32" / "bn8" / "s3" / "s6": other rows / stages; "q8
-                  pipe": its tile with plain loads (Triton's cp.async pipelining)
+                  pipe": its tile with plain loads (Triton's cp.async pipelining); "q8 head tma": the output
+                  head alone by it at 32 rows (matvec.Q8_HEAD, DS4_Q8_HEAD_TMA=1)
   q8 flat         matvec.Q8_MV1.flat = 660 (1056: "q8 flat 1056") long-lived programs on the large matrices
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
@@ -89,13 +91,14 @@ from ds4.model.cuda import fused as cfused  # noqa: E402
 from ds4.model.cuda import layer, streams  # noqa: E402
 
 BASE_Q8 = mv.Q8_MV1
+SORT = {(layer, "INDEXER_SELECT"): False, (layer, "INDEXER_WIDE"): False}  # neither select: the sort
 SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 no xdirect": {(mv, "Q8_MV1"): replace(BASE_Q8, xdirect=False)},
     "q8 magic": {(mv, "Q8_MV1"): replace(BASE_Q8, magic=True)},
     "hc 2 pass": {(fused, "HC_FINISH_BD"): 1024, (fused, "HC_FINISH_WARPS"): 4},
     "1 stream": {(streams, "CONCURRENT"): False},
-    "indexer topk": {(layer, "INDEXER_TOPK"): True, (layer, "INDEXER_SELECT"): False},
-    "indexer sort": {(layer, "INDEXER_SELECT"): False},
+    "indexer topk": {(layer, "INDEXER_TOPK"): True, **SORT},
+    "indexer sort": SORT,
     "select 16k": {(layer, "INDEXER_SELECT_MAX"): 16384},
     "attend fma": {(attend, "ATTEND_PREC"): "ieee"},
     "attend fused": {(attend, "FUSED_MERGE"): True},
@@ -135,8 +138,9 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "prefetch attn": {(layer, "PREFETCH"): {"attn": 42}},
     "prefetch ffn": {(layer, "PREFETCH"): {"ffn": 29}},
     "prefetch all": {(layer, "PREFETCH"): {"attn": 42, "o": 36, "ffn": 29}},
-    "topk kernel": {(layer, "TOPK_KERNEL"): True, (layer, "INDEXER_SELECT"): False},
-    "select wide": {(layer, "INDEXER_WIDE"): True},
+    "topk kernel": {(layer, "TOPK_KERNEL"): True, **SORT},
+    "no wide": {(layer, "INDEXER_WIDE"): False},
+    "wide all": {(layer, "INDEXER_WIDE_MAX"): 1 << 18},
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
@@ -148,6 +152,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 tma s3": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "stages": 3})},
     "q8 tma s6": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "stages": 6})},
     "q8 pipe": {(mv, "Q8_MV1"): replace(BASE_Q8, **mv.Q8_TMA_TILE)},  # that tile with plain loads
+    "q8 head tma": {(mv, "Q8_HEAD"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "bn": 32})},
     "q8 flat": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=660)},
     "q8 flat 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=1056)},
     "half prefetch": {

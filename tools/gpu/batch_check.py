@@ -141,7 +141,7 @@ def _variants() -> dict[str, dict]:
     return {
         "default": {},
         "hc comb main": {(cfused, "HC_COMB_SIDE"): False},  # the Sinkhorn inside the finish kernel
-        "indexer sort": {(layer, "INDEXER_SELECT"): False},  # the stable sort, not the radix select
+        "indexer sort": {(layer, "INDEXER_SELECT"): False, (layer, "INDEXER_WIDE"): False},  # the stable sort
         "hc post mix": {(cfused, "HC_POST_MIX"): True},  # the next HC site's partials in the post's launch
         "qa norm apart": {(cfused, "QA_NORM_FUSED"): False},  # the q_a norm as a launch of its own
         "q8k in finish": {(cfused, "Q8K_IN_FINISH"): True},  # the routed experts' Q8_K input by the finish

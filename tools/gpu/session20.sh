@@ -10,7 +10,12 @@
 #   part c: the B = 1 routed-expert kernels with their super-block loops software-pipelined by Triton
 #           (moe.MoeConfig.stages, off): their GPU tests, bench_moe --latest (B = 1 / 4 per layer), the whole
 #           model at 4k ctx with each, and the batched steps with the pair down's (moe.DOWN's) at 3 stages.
-# Usage: bash tools/gpu/session20.sh a|b|c
+#   part d: after a-c: the wide select on by default up to layer.INDEXER_WIDE_MAX (16,384 scores: 64k ctx),
+#           the output head by the TMA kernel at 32 rows (matvec.Q8_HEAD, off): their GPU tests; the head
+#           in the whole model at 4k ctx (ab_decode); decode at 128k / 256k / 1M with the wide select there
+#           too, at 16 and 32 programs a row (ds4-bench --decode-at, one process each); the ds4-bench sweep
+#           2k / 64k at the defaults (with the head's TMA tile if ab_decode found it faster).
+# Usage: bash tools/gpu/session20.sh a|b|c|d
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py \
@@ -36,4 +41,18 @@ if [ "$1" = c ]; then
     --variants "moe st3,moe gu st3,moe dn st3,moe st2"
   TAIL=8 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 1,8,32 --steps 16 \
     --variants "default,dn st3"
+fi
+if [ "$1" = d ]; then
+  TAIL=4 run tests 110 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    tests/test_cuda_backend.py -k "q8_head or (q8_mv1_flash and tma) or wide or official"
+  TAIL=5 run ab 100 python3 tools/gpu/ab_decode.py --rounds 2 --variants "q8 head tma"
+  AT="--synthetic flash-q2 --decode-at 131072,262144,1048576 -n 32"
+  TAIL=4 run long_default 80 python3 -m ds4.bench $AT
+  TAIL=4 run long_wide16 80 env DS4_INDEXER_WIDE_MAX=262144 python3 -m ds4.bench $AT
+  TAIL=4 run long_wide32 80 env DS4_INDEXER_WIDE_MAX=262144 DS4_WIDE_PROGRAMS=32 python3 -m ds4.bench $AT
+  HEAD=0
+  grep -q "VERDICT q8 head tma: faster" "$OUT/ab.log" && HEAD=1
+  TAIL=6 run sweep "$(left)" env DS4_Q8_HEAD_TMA=$HEAD python3 -m ds4.bench --synthetic flash-q2 \
+    --ctx-start 2048 --ctx-max 65536 --step-mul 32 -n 64
+  echo "sweep with DS4_Q8_HEAD_TMA=$HEAD"
 fi

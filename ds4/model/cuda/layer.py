@@ -470,7 +470,7 @@ def _indexer_picker(n: int):
     first, for the rows it keeps in registers)."""
     if INDEXER_SELECT and topk_k is not None and n <= INDEXER_SELECT_MAX:
         return topk_k.select_rows
-    if INDEXER_WIDE and topk_k is not None and n <= topk_k.WIDE_MAX:
+    if INDEXER_WIDE and topk_k is not None and n <= min(INDEXER_WIDE_MAX, topk_k.WIDE_MAX):
         return topk_k.select_rows_wide
     return top_rows_by_keys if INDEXER_TOPK else topk_k.top_rows if TOPK_KERNEL else _top_rows
 
@@ -506,12 +506,15 @@ INDEXER_TOPK = os.environ.get("DS4_INDEXER_TOPK", "0") == "1"
 # Read when a step is built.
 INDEXER_SELECT = os.environ.get("DS4_INDEXER_SELECT", "1") == "1"
 INDEXER_SELECT_MAX = int(os.environ.get("DS4_INDEXER_SELECT_MAX", "4096"))
-# The rows past INDEXER_SELECT_MAX (up to topk.WIDE_MAX: 1M ctx) by the select with several programs a row
-# (ds4.kernels.topk.select_rows_wide: 5 launches, the same set in the same order) instead of the stable
-# sort, which took ~40 us of kernels in ~10 launches a ratio-4 layer at 64k ctx (H200, session 19 profile,
-# 0.83 ms a token). Built in session 19 (interpreter tests), not yet timed: off. tools/gpu/ab_decode.py
-# --ctx 65536 "select wide", tools/gpu/long_decode.py with DS4_INDEXER_WIDE=1. Read when a step is built.
-INDEXER_WIDE = os.environ.get("DS4_INDEXER_WIDE", "0") == "1"
+# The rows past INDEXER_SELECT_MAX, up to INDEXER_WIDE_MAX scores (16,384: 64k ctx), by the select with
+# several programs a row (ds4.kernels.topk.select_rows_wide: 5 launches, the same set in the same order)
+# instead of the stable sort (~40 us of kernels in ~10 launches a ratio-4 layer at 64k ctx, session 19
+# profile). H200, session 20: 64k ctx 113.38 vs 109.10 tok/s (ab_decode.py "select wide", both rounds
+# alike), ds4-bench --decode-at 107.81 vs 104.91; but longer rows lost: 256k ctx (65,536 scores) 82.63 vs
+# 96.13, 1M (262,144) 72.10 vs 76.24 with the sort. Env DS4_INDEXER_WIDE=0: off; DS4_INDEXER_WIDE_MAX.
+# Read when a step is built.
+INDEXER_WIDE = os.environ.get("DS4_INDEXER_WIDE", "1") == "1"
+INDEXER_WIDE_MAX = int(os.environ.get("DS4_INDEXER_WIDE_MAX", "16384"))
 
 
 @fused.fuse(dynamic=True)
