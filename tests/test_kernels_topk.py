@@ -126,11 +126,11 @@ def test_decode_takes_the_select_for_rows_in_registers(monkeypatch) -> None:
     from ds4.model.cuda import layer
 
     monkeypatch.setattr(layer, "INDEXER_WIDE", True)
-    monkeypatch.setattr(layer, "INDEXER_WIDE_MAX", 16384)
+    monkeypatch.setattr(layer, "INDEXER_WIDE_MAX", 20480)
     assert layer._indexer_picker(layer.INDEXER_SELECT_MAX) is topk.select_rows
     assert layer._indexer_picker(layer.INDEXER_SELECT_MAX + 1) is topk.select_rows_wide
-    assert layer._indexer_picker(16384) is topk.select_rows_wide
-    assert layer._indexer_picker(16385) is layer._top_rows
+    assert layer._indexer_picker(20480) is topk.select_rows_wide
+    assert layer._indexer_picker(20481) is layer._top_rows
     monkeypatch.setattr(layer, "INDEXER_WIDE_MAX", 1 << 30)
     assert layer._indexer_picker(topk.WIDE_MAX) is topk.select_rows_wide
     assert layer._indexer_picker(topk.WIDE_MAX + 1) is layer._top_rows

@@ -15,7 +15,7 @@
 #           in the whole model at 4k ctx (ab_decode); decode at 128k / 256k / 1M with the wide select there
 #           too, at 16 and 32 programs a row (ds4-bench --decode-at, one process each); the ds4-bench sweep
 #           2k / 64k at the defaults (with the head's TMA tile if ab_decode found it faster).
-# Usage: bash tools/gpu/session20.sh a|b|c|d
+# Usage: bash tools/gpu/session20.sh a|b|c|d|e
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py \
@@ -41,6 +41,13 @@ if [ "$1" = c ]; then
     --variants "moe st3,moe gu st3,moe dn st3,moe st2"
   TAIL=8 run step "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 1,8,32 --steps 16 \
     --variants "default,dn st3"
+fi
+#   part e: part d's default (INDEXER_WIDE_MAX 16,384) missed the 64k allocation (cap 16,420 rows): at
+#           20,480, the whole model at 64k against the sort there (ab_decode "no wide") and the sweep again.
+if [ "$1" = e ]; then
+  TAIL=8 run ab64 100 python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 --variants "no wide"
+  TAIL=6 run sweep "$(left)" python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
+    --step-mul 32 -n 64
 fi
 if [ "$1" = d ]; then
   TAIL=4 run tests 110 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
