@@ -470,8 +470,11 @@ class Q8Config:
 # one row, medians ~5e-4), so those flips do not come from the two Q8_0 paths' numerics.
 _Q8_INT8 = os.environ.get("DS4_Q8_INT8", "0") == "1"
 Q8_INT8_TILE = {"bn": 4, "tk": 1024}  # the int8 variant's tile (tools replace Q8_MV1 with it)
-# The TMA variant (Q8Config.tma) and its tile: built in session 19 (interpreter tests; sm_90 builds 40-64
-# registers, 9-29 KB of shared memory), not yet timed: off. Env DS4_Q8_TMA=1: on, at this tile.
+# The TMA variant (Q8Config.tma) and its tile (sm_90 builds 40-64 registers, 9-29 KB of shared memory). H200,
+# session 20: bench_q8.py --variants summed a decode step's Q8_0 matvecs to 4.167 ms at this tile vs 3.546
+# by Q8_MV1 (32 rows 3.560, 8 rows 5.656, 3 / 6 stages 4.056 / 4.365; the same tile with plain loads 31.75);
+# whole model at 4k ctx (ab_decode.py) 121.26 vs 132.86 tok/s (32 rows 129.99). Several k-tiles in flight
+# per program do not pay: off. Env DS4_Q8_TMA=1: on, at this tile.
 _Q8_TMA = os.environ.get("DS4_Q8_TMA", "0") == "1"
 Q8_TMA_TILE = {"bn": 16, "tk": 256, "stages": 4}
 _TILE = Q8_INT8_TILE if _Q8_INT8 else Q8_TMA_TILE if _Q8_TMA else {"bn": 8, "tk": 512, "stages": 1}
@@ -491,7 +494,9 @@ Q8_MV1 = Q8Config(
 # 563 MB; the next largest has 32,768 rows): the TMA kernel at 32 rows a program. bench_q8.py --variants
 # (H200, session 20, cold L2): head 154.0 us (3.65 TB/s) vs 182.5 us (3.08 TB/s) by Q8_MV1, while the other
 # shapes were 2-14 % slower with it (whole model at 4k ctx, "q8 tma bn32" everywhere: x0.978). None: Q8_MV1
-# for every size. Not yet timed in the whole model: off; env DS4_Q8_HEAD_TMA=1: on.
+# for every size. Whole model at 4k ctx (ab_decode.py "q8 head tma", session 20): 133.77 vs 133.40 tok/s
+# (x1.003 in both rounds, ~the 28 us of a 7.5 ms step expected, below the tool's 1 % bar): off until more
+# rounds confirm it; env DS4_Q8_HEAD_TMA=1: on.
 Q8_HEAD_ROWS = 65536
 Q8_HEAD: Q8Config | None = (
     replace(Q8_MV1, tma=True, **{**Q8_TMA_TILE, "bn": 32})

@@ -1116,7 +1116,9 @@ class MoeConfig:
     lds: bool = False  # int8 IQ2_XXS, prmt: the nibble tables from a static shared copy (_lds_fill, PTX)
     # int8 kernels without prefetch: > 0 runs the super-block loop as tl.range(num_stages=stages), Triton
     # software-pipelining its loads through shared memory (stages - 1 blocks ahead, no registers held); 0:
-    # the plain loop (session 19: built, not yet timed)
+    # the plain loop. H200, session 20 (bench_moe.py --latest, per layer): B = 1 gate/up 5-19x slower at 2-4
+    # stages (466-500 vs 87.7 us at B = 4), down 44.8-46.3 vs 34.8 us at B = 4; whole model at 4k ctx
+    # (ab_decode.py) 77.95 tok/s with both at 3 stages, 131.55 with down's alone, vs 132.95: stays 0
     stages: int = 0
 
     def __post_init__(self) -> None:

@@ -228,6 +228,10 @@ def select_rows(score: torch.Tensor, k: int) -> torch.Tensor:
 # launch sums the G histograms and picks the digit), a counting pass (how many of each chunk lie above the
 # threshold or equal it), and the write (each chunk's offset from the counts of the chunks before it): 5
 # launches, no atomics, no memsets, the same indices in the same (ascending) order as select_rows.
+# H200, session 20, whole model: faster than the sort at 16,420 scores (64k ctx, x1.037), slower at 32,770
+# and more (128k-1M ctx; 32 programs a row lost less, still lost): layer.INDEXER_WIDE_MAX keeps it to the
+# rows where it won. Alone (tools/gpu/bench_topk_hc.py, eager: host launch costs of 5 launches included)
+# 250-366 us a call up to 64k ctx, so time it in the graph-replayed step.
 WIDE_PROGRAMS = int(os.environ.get("DS4_WIDE_PROGRAMS", "16"))  # chunks a row at most (env: for A/B runs)
 WIDE_MIN_CHUNK = 2048  # scores a program at least
 WIDE_MAX = 1 << 18  # scores a row at most (262,144: a 1M-token context's ratio-4 rows); longer rows: the sort
