@@ -1116,8 +1116,8 @@ class MoeConfig:
     lds: bool = False  # int8 IQ2_XXS, prmt: the nibble tables from a static shared copy (_lds_fill, PTX)
     # int8 kernels without prefetch: > 0 runs the super-block loop as tl.range(num_stages=stages), Triton
     # software-pipelining its loads through shared memory (stages - 1 blocks ahead, no registers held); 0:
-    # the plain loop. H200, session 20 (bench_moe.py --latest, per layer): B = 1 gate/up 5-19x slower at 2-4
-    # stages (466-500 vs 87.7 us at B = 4), down 44.8-46.3 vs 34.8 us at B = 4; whole model at 4k ctx
+    # the plain loop. H200, session 20 (bench_moe.py --latest, per layer): gate/up at 2-4 stages 126.8-141.9
+    # vs 26.6 us at B = 1 (466-500 vs 87.7 at B = 4), down 20.1-20.3 vs 15.6 (44.8-46.3 vs 34.8); model at 4k
     # (ab_decode.py) 77.95 tok/s with both at 3 stages, 131.55 with down's alone, vs 132.95: stays 0
     stages: int = 0
 
