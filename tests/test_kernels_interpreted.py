@@ -26,6 +26,7 @@ MODULES = [
     "test_kernels_gemm.py",
     "test_kernels_topk.py",
     "test_kernels_prefetch.py",
+    "test_kernels_chain_probe.py",
 ]
 
 
