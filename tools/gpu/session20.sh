@@ -15,7 +15,9 @@
 #           in the whole model at 4k ctx (ab_decode); decode at 128k / 256k / 1M with the wide select there
 #           too, at 16 and 32 programs a row (ds4-bench --decode-at, one process each); the ds4-bench sweep
 #           2k / 64k at the defaults (with the head's TMA tile if ab_decode found it faster).
-# Usage: bash tools/gpu/session20.sh a|b|c|d|e
+#   part f: tools/gpu/bench_chain.py (a kernel boundary's cost vs a grid barrier's in a chain of dependent
+#           Q8_0 matvecs) with its GPU test; the head's TMA tile at 4k over 3 rounds.
+# Usage: bash tools/gpu/session20.sh a|b|c|d|e|f
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py \
@@ -62,4 +64,9 @@ if [ "$1" = d ]; then
   TAIL=6 run sweep "$(left)" env DS4_Q8_HEAD_TMA=$HEAD python3 -m ds4.bench --synthetic flash-q2 \
     --ctx-start 2048 --ctx-max 65536 --step-mul 32 -n 64
   echo "sweep with DS4_Q8_HEAD_TMA=$HEAD"
+fi
+if [ "$1" = f ]; then
+  TAIL=3 run tests 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_chain_probe.py
+  TAIL=64 run chain 90 python3 tools/gpu/bench_chain.py
+  TAIL=7 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 3 --variants "q8 head tma"
 fi
