@@ -14,7 +14,9 @@ from _kernel_env import CUDA, DEVICE
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "gpu"))
 import bench_chain  # noqa: E402
 
-WAYS = {"tuned", "launch", "launch+pre", "tiles", "persist", "persist+pre"}
+WAYS = {"tuned", "launch", "launch+pre", "tiles", "persist", "persist+pre"} | {
+    f"tiles {k}" for k in bench_chain.TILES
+}
 
 
 def test_chain_probe_ways_match_the_float64_chain():

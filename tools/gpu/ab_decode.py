@@ -66,6 +66,8 @@ Variants (each the other side of an engine default; env names in brackets):
                   pipe": its tile with plain loads (Triton's cp.async pipelining); "q8 head tma": the output
                   head alone by it at 32 rows (matvec.Q8_HEAD, DS4_Q8_HEAD_TMA=1)
   q8 flat         matvec.Q8_MV1.flat = 660 (1056: "q8 flat 1056") long-lived programs on the large matrices
+  q8 target 1056  matvec.Q8_MV1.target = 1056 ("528"; "q8 no split": 1): fewer split-K programs; "q8 tk1024"
+                  / "q8 bn16": longer k-tiles / more rows a program (more bytes in flight per load)
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
 time it by running the tool once with DS4_PDL_EARLY=0 and once without.
@@ -155,6 +157,11 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 head tma": {(mv, "Q8_HEAD"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "bn": 32})},
     "q8 flat": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=660)},
     "q8 flat 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=1056)},
+    "q8 target 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, target=1056)},
+    "q8 target 528": {(mv, "Q8_MV1"): replace(BASE_Q8, target=528)},
+    "q8 no split": {(mv, "Q8_MV1"): replace(BASE_Q8, target=1)},
+    "q8 tk1024": {(mv, "Q8_MV1"): replace(BASE_Q8, tk=1024)},
+    "q8 bn16": {(mv, "Q8_MV1"): replace(BASE_Q8, bn=16)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),
         (mv, "HMV_LARGE"): replace(mv.HMV_LARGE, prefetch=True),

@@ -10,7 +10,7 @@ stage, CUDA events; the ways take turns):
   tuned        matvec.q8_mv1 (the decode step's kernel: split-K, fixup, PDL) once per stage;
   launch       _chain_kernel once per stage, P = per-sm x SMs programs walking the row tiles (PDL wait first);
   launch+pre   the same with each program's first k-tile of weights loaded before the PDL wait;
-  tiles        _chain_kernel once per stage, one program per row tile;
+  tiles        _chain_kernel once per stage, one program per row tile ("tiles <name>": at the TILES tiles);
   persist      _chain_kernel once for all M stages, P programs, a grid barrier between stages (an atomic
                arrive, then a spin on the count; every program co-resident at P = per-sm x SMs);
   persist+pre  the same with the next stage's first k-tile loaded before each barrier;
@@ -40,6 +40,15 @@ from ds4.kernels.packing import PackedWeight  # noqa: E402
 from ds4.quant import GGMLType  # noqa: E402
 
 BN, TK = 8, 512  # rows a tile, elements a k-tile (the decode step's Q8_0 tile)
+TILE = (BN, TK, 4)  # (rows, k-tile, warps) of the ways but the "tiles ..." variants
+# the "tiles" way at other tiles: more bytes of a program's weights in flight per load (Little's law: the
+# bandwidth a chain reaches grows with the bytes in flight until the DRAM saturates)
+TILES = {
+    "tk1024": (8, 1024, 4),
+    "tk2048 w8": (8, 2048, 8),
+    "bn16": (16, 512, 4),
+    "bn16 tk1024 w8": (16, 1024, 8),
+}
 SPIN_MAX = tl.constexpr(200_000)  # polls of the barrier count before a program gives up (counted)
 REPS, WARMUP = 20, 3
 
@@ -135,15 +144,22 @@ class Chain:
             outs.append(v)
         return torch.stack(outs)
 
-    def launch(self, s0: int, s1: int, n_prog: int, sync: bool, pre: bool = False) -> None:
+    def launch(
+        self, s0: int, s1: int, n_prog: int, sync: bool, pre: bool = False, tile: tuple[int, int, int] = TILE
+    ) -> None:
+        bn, tk, warps = tile
         _chain_kernel[(n_prog,)](
             self.x, self.qs, self.d, self.out, self.bar, self.err, self.n, s0, s1, n_prog,
-            BN=BN, TK=min(TK, self.n), SYNC=sync, PRE=pre, num_warps=4, launch_pdl=PDL,
+            BN=bn, TK=min(tk, self.n), SYNC=sync, PRE=pre, num_warps=warps, launch_pdl=PDL,
         )  # fmt: skip
+
+    def tiles(self, tile: tuple[int, int, int]) -> None:
+        """One launch a stage, one program a row tile of `tile` (rows, k-tile, warps)."""
+        for s in range(self.m):
+            self.launch(s, s + 1, self.n // tile[0], False, tile=tile)
 
     def ways(self, n_prog: int) -> dict:
         """name -> the calls of one pass of the chain."""
-        tiles = self.n // BN
 
         def tuned():
             v = self.x
@@ -159,7 +175,8 @@ class Chain:
             "tuned": tuned,
             "launch": lambda: [self.launch(s, s + 1, n_prog, False) for s in range(self.m)],
             "launch+pre": lambda: [self.launch(s, s + 1, n_prog, False, True) for s in range(self.m)],
-            "tiles": lambda: [self.launch(s, s + 1, tiles, False) for s in range(self.m)],
+            "tiles": lambda: self.tiles(TILE),
+            **{f"tiles {name}": lambda t=t: self.tiles(t) for name, t in TILES.items()},
             "persist": lambda: persist(False),
             "persist+pre": lambda: persist(True),
             "empty": lambda: [

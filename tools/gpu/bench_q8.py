@@ -207,9 +207,17 @@ VARIANTS = {
     "tma s6": replace(mv.Q8_MV1, tma=True, **{**mv.Q8_TMA_TILE, "stages": 6}),
     # the same tile and stages with plain loads (cp.async pipelining, registers): TMA's share of any gain
     "pipe bn16 tk256 s4": replace(mv.Q8_MV1, **mv.Q8_TMA_TILE),
+    # session 20 (tools/gpu/bench_chain.py: one program a row tile, no split-K, beat q8_mv1 at 4096 x 4096;
+    # a chain's bandwidth grows with the bytes in flight): fewer splits, longer k-tiles, more rows
+    "target 1056": replace(mv.Q8_MV1, target=1056),
+    "target 528": replace(mv.Q8_MV1, target=528),
+    "no split": replace(mv.Q8_MV1, target=1),
+    "tk1024": replace(mv.Q8_MV1, tk=1024),
+    "bn16": replace(mv.Q8_MV1, bn=16),
 }
-if "--latest" in sys.argv:  # the default and this session's variants
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "default" or k.startswith(("tma", "pipe"))}
+LATEST = ("target", "no split", "tk1024", "bn16")  # this session's variants
+if "--latest" in sys.argv:  # the default and those
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k == "default" or k.startswith(LATEST)}
 
 
 HEAD = mv.Q8_HEAD  # the default's head tile (None: Q8_MV1's); the other variants run theirs on the head too
