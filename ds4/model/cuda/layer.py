@@ -510,11 +510,11 @@ INDEXER_SELECT_MAX = int(os.environ.get("DS4_INDEXER_SELECT_MAX", "4096"))
 # step ranks are indexer_width's, a session's cap = ctx / 4 + 2 or a power-of-two bucket's), by the select
 # with several programs a row (ds4.kernels.topk.select_rows_wide: 5 launches, the same set in the same order)
 # instead of the stable sort (~40 us of kernels in ~10 launches a ratio-4 layer at 64k ctx, session 19
-# profile). H200, session 20, wide vs sort: 64k ctx (16,420 rows) 113.38 vs 109.10 tok/s (ab_decode.py,
-# both rounds alike), ds4-bench --decode-at 107.81 vs 104.91; but longer rows lost: 128k (32,770) 97.87
-# vs 103.03 (101.03 at 32 programs a row), 256k (65,538) 82.63 / 84.50 vs 96.13 / 97.66, 1M (262,146)
-# 72.10 / 74.02 vs 76.24 / 74.19. Env DS4_INDEXER_WIDE=0: off; DS4_INDEXER_WIDE_MAX. Read when a step is
-# built.
+# profile). H200, session 20, wide vs sort: 64k ctx (16,420 rows) 113.49 vs 109.39 tok/s at this default
+# (ab_decode.py "no wide", both rounds alike), ds4-bench --decode-at 107.81 vs 104.91; longer rows lost:
+# 128k (32,770) 97.87 vs 103.03 (101.03 at 32 programs a row), 256k (65,538) 82.63 / 84.50 vs 96.13 /
+# 97.66, 1M (262,146) 72.10 / 74.02 vs 76.24 / 74.19. Env DS4_INDEXER_WIDE=0: off; DS4_INDEXER_WIDE_MAX.
+# Read when a step is built.
 INDEXER_WIDE = os.environ.get("DS4_INDEXER_WIDE", "1") == "1"
 INDEXER_WIDE_MAX = int(os.environ.get("DS4_INDEXER_WIDE_MAX", "20480"))
 
