@@ -5,7 +5,7 @@ On the H200:  PYTHONPATH=. python3 tools/gpu/bench_chain.py [--n 4096,2048,1024]
 Anywhere:     TRITON_INTERPRET=1 PYTHONPATH=. python3 tools/gpu/bench_chain.py --check-only (one program)
 
 A chain of M stages, out[s] = W[s] @ out[s - 1] (out[-1] = x), W[s] a distinct Q8_0 [N, N] matrix (M x N^2
-bytes: cold in L2 at N >= 2048), run six ways, each captured as one CUDA graph and replayed (median us per
+bytes: cold in L2 at N >= 2048), run these ways, each captured as one CUDA graph and replayed (median us per
 stage, CUDA events; the ways take turns):
   tuned        matvec.q8_mv1 (the decode step's kernel: split-K, fixup, PDL) once per stage;
   launch       _chain_kernel once per stage, P = per-sm x SMs programs walking the row tiles (PDL wait first);
@@ -18,7 +18,8 @@ stage, CUDA events; the ways take turns):
                cost of a dependent launch itself.
 launch - persist is the boundary's cost beyond a barrier's; tuned vs launch the inner loop's quality. Each
 way's output is checked against the float64 product chain (the barrier's spin gives up after SPIN_MAX polls
-and counts it, so a non-resident grid shows as an error, not a hang).
+and counts it, so a non-resident grid shows as an error, not a hang). Session 20's H200 figures:
+BENCHMARKS.md (an empty dependent launch ~1 us; the barrier no cheaper than a boundary).
 """
 
 from __future__ import annotations
