@@ -25,7 +25,6 @@ BENCHMARKS.md (an empty dependent launch ~1 us; the barrier no cheaper than a bo
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,6 +39,9 @@ from ds4.kernels.dispatch import PDL, pdl_wait  # noqa: E402
 from ds4.kernels.packing import PackedWeight  # noqa: E402
 from ds4.quant import GGMLType  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_q8  # noqa: E402  (its graph timing)
+
 BN, TK = 8, 512  # rows a tile, elements a k-tile (the decode step's Q8_0 tile)
 TILE = (BN, TK, 4)  # (rows, k-tile, warps) of the ways but the "tiles ..." variants
 # the "tiles" way at other tiles: more bytes of a program's weights in flight per load (Little's law: the
@@ -51,7 +53,6 @@ TILES = {
     "bn16 tk1024 w8": (16, 1024, 8),
 }
 SPIN_MAX = tl.constexpr(200_000)  # polls of the barrier count before a program gives up (counted)
-REPS, WARMUP = 20, 3
 
 
 @triton.jit
@@ -205,26 +206,9 @@ def check(chain: Chain, n_prog: int) -> dict:
 
 
 def time_ways(chain: Chain, n_prog: int) -> dict:
-    """name -> median us per stage, one CUDA graph per way, the replays taking turns."""
-    graphs = {}
-    for name, fn in chain.ways(n_prog).items():
-        fn()  # compile, warm the allocator
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs[name] = g
-    ts: dict = {name: [] for name in graphs}
-    for i in range(WARMUP + REPS):
-        for name, g in graphs.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            if i >= WARMUP:
-                ts[name].append(a.elapsed_time(b) * 1e3 / chain.m)
-    return {name: statistics.median(v) for name, v in ts.items()}
+    """name -> median us per stage, one CUDA graph per way, the replays taking turns (bench_q8's timing)."""
+    ways = {name: ([fn], lambda: None) for name, fn in chain.ways(n_prog).items()}
+    return {name: t * 1e6 / chain.m for name, t in bench_q8.time_graphs(ways).items()}
 
 
 def main() -> None:
