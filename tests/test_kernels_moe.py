@@ -552,6 +552,8 @@ VARIANT_CONFIGS = [
     moe.MoeConfig(16, 1, 4, int8=True, sign_math=True, prefetch=True, gather=True),
     moe.MoeConfig(16, 2, 4, int8=True, prefetch=True, terms=1, gather=True, fixup=True),
     moe.MoeConfig(16, 1, 4, int8=True, prmt=True, stages=3),  # session 19: the loop pipelined by Triton
+    moe.MoeConfig(16, 1, 4, int8=True, prmt=True, gsum=True),  # session 20: group sums added before scaling
+    moe.MoeConfig(16, 2, 4, int8=True, prefetch=True, sign_math=True, terms=1, gsum=True),
 ]
 
 
@@ -561,6 +563,7 @@ VARIANT_CONFIGS = [
     ids=lambda c: (
         f"s{c.splits}-pf{int(c.prefetch)}-{'math' if c.sign_math else 'masks'}-t{c.terms}"
         + f"-st{c.stages}" * bool(c.stages)
+        + "-gsum" * c.gsum
     ),
 )
 def test_moe_int8_variants(cfg):
@@ -811,6 +814,8 @@ def test_moe_int8_variants_flash_widths_cuda():
         moe.MoeConfig(32, 2, 4, int8=True, fixup=True, prefetch=True, terms=1),
         moe.MoeConfig(16, 1, 4, int8=True, prmt=True, stages=3),  # the loops pipelined by Triton
         moe.MoeConfig(64, 1, 4, int8=True, prmt=True, stages=4),
+        moe.MoeConfig(16, 1, 4, int8=True, prmt=True, gsum=True),  # group sums before the scaling
+        moe.MoeConfig(16, 1, 4, int8=True, prmt=True, prefetch=True, gsum=True, terms=1),
     ]
     for b in (1, 4):
         ids = torch.randint(0, 8, (b, 6), generator=gen, device=DEVICE).int()

@@ -415,6 +415,7 @@ def _iq2_q8k_block(
     SIGN_MATH: tl.constexpr,
     GATHER: tl.constexpr,
     LDS: tl.constexpr = False,
+    GSUM: tl.constexpr = False,
 ):
     """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g v per group 4 sb + l of IQ2_XXS super-block kt of rows
     wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
@@ -422,8 +423,9 @@ def _iq2_q8k_block(
     reduces once after its k loop (in-loop reductions cost barriers)."""
     idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)
     return _iq2_q8k_dot(
-        idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS
-    )
+        idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS,
+        GSUM,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -649,8 +651,10 @@ def _iq2_q8k_dot(
     SIGN_MATH: tl.constexpr,
     GATHER: tl.constexpr,
     LDS: tl.constexpr = False,
+    GSUM: tl.constexpr = False,
 ):
-    """_iq2_q8k_block on loaded weight bytes (_iq2_load: idx [BN, 8, 4], a1 [BN, 8, 1], d [BN])."""
+    """_iq2_q8k_block on loaded weight bytes (_iq2_load: idx [BN, 8, 4], a1 [BN, 8, 1], d [BN]). GSUM
+    (MoeConfig.gsum): [BN, 8, 1], each sub-block's 4 group sums added as integers before the one scaling."""
     lg = tl.arange(0, 4)[None, None, :]
     si = (a1 >> (7 * lg)) & 127  # [BN, 8, 4] sign indices
     if GATHER:  # the tables held in registers (tab_r [256], ksm_r [128]): tl.gather via shared memory
@@ -669,6 +673,8 @@ def _iq2_q8k_dot(
     if TERMS == 2:
         dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)
     # |dot (2 ls + 1)| <= 8 * 43 * 127 * 31 < 2^24 (TERMS 1: exact as f32), x 255 < 2^31 (TERMS 2)
+    if GSUM:  # lg lies within a thread: 3 adds for 3 multiplies, conversions and FMAs; x 4 < 2^31 still
+        dot = tl.sum(dot, axis=2, keep_dims=True)
     scaled = dot * (2 * ((a1 >> 28) & 15) + 1)
     return (d * dx)[:, None, None] * scaled.to(tl.float32)
 
@@ -677,17 +683,18 @@ def _iq2_q8k_dot(
 def _iq2_gate_up_step(
     acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r, ksm_r,
     TERMS: tl.constexpr, DP4A: tl.constexpr, SIGN_MATH: tl.constexpr, GATHER: tl.constexpr, LDS: tl.constexpr,
+    GSUM: tl.constexpr = False,
 ):  # fmt: skip
     """One super-block step of _iq2_q8k_gate_up_kernel without PREFETCH: x's block kt, then gate's, then
     up's (the session-3 op order) -> the updated (acc_g, acc_u)."""
     xlo, xhi, x2lo, x2hi, dx = _x_load(xo, xplane, xd, kt, nb, xg, TERMS)
     acc_g += _iq2_q8k_block(
         gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
-        SIGN_MATH, GATHER, LDS,
+        SIGN_MATH, GATHER, LDS, GSUM,
     )  # fmt: skip
     acc_u += _iq2_q8k_block(
         uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
-        SIGN_MATH, GATHER, LDS,
+        SIGN_MATH, GATHER, LDS, GSUM,
     )  # fmt: skip
     return acc_g, acc_u
 
@@ -722,6 +729,7 @@ def _iq2_q8k_gate_up_kernel(
     GATHER: tl.constexpr = False,
     LDS: tl.constexpr = False,
     STAGES: tl.constexpr = 0,
+    GSUM: tl.constexpr = False,
 ):
     """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/8] int64: one group's 8
     int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel.
@@ -744,10 +752,11 @@ def _iq2_q8k_gate_up_kernel(
     xg = tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, 8, 4] group's 8 x bytes
     lo = pid_s * kt_per_split
     hi = tl.minimum(lo + kt_per_split, nb)
-    acc_g = tl.zeros([BN, 8, 4], dtype=tl.float32)  # per-lane partial sums, reduced after the loop
+    G4: tl.constexpr = 1 if GSUM else 4  # per-lane partial sums [BN, 8, G4], reduced after the loop
+    acc_g = tl.zeros([BN, 8, G4], dtype=tl.float32)
     tab_r = tl.load(tab64 + tl.arange(0, 256)) if GATHER else 0
     ksm_r = tl.load(ksm + tl.arange(0, 128)) if GATHER else 0
-    acc_u = tl.zeros([BN, 8, 4], dtype=tl.float32)
+    acc_u = tl.zeros([BN, 8, G4], dtype=tl.float32)
     xd = dx_ptr + b * nb
     if PREFETCH:  # block lo's bytes now; each step loads block kt + 1 before it computes block kt
         kn = tl.minimum(lo, nb - 1)
@@ -763,23 +772,23 @@ def _iq2_q8k_gate_up_kernel(
             xlo_n, xhi_n, x2lo_n, x2hi_n, dx_n = _x_load(xo, xplane, xd, kn, nb, xg, TERMS)
             acc_g += _iq2_q8k_dot(
                 gi, ga, gdd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH,
-                GATHER, LDS,
+                GATHER, LDS, GSUM,
             )  # fmt: skip
             acc_u += _iq2_q8k_dot(
                 ui, ua, udd, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH,
-                GATHER, LDS,
+                GATHER, LDS, GSUM,
             )  # fmt: skip
     elif STAGES:  # the loop's loads software-pipelined by Triton, STAGES - 1 blocks ahead (MoeConfig.stages)
         for kt in tl.range(lo, hi, num_stages=STAGES):
             acc_g, acc_u = _iq2_gate_up_step(
                 acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r,
-                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS,
+                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS, GSUM,
             )  # fmt: skip
     else:  # the session-3 op order (the default's SASS unchanged): x, then gate's block, then up's
         for kt in range(lo, hi):
             acc_g, acc_u = _iq2_gate_up_step(
                 acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r,
-                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS,
+                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS, GSUM,
             )  # fmt: skip
     acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
     acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
@@ -1120,6 +1129,11 @@ class MoeConfig:
     # vs 26.6 us at B = 1 (466-500 vs 87.7 at B = 4), down 20.1-20.3 vs 15.6 (44.8-46.3 vs 34.8); model at 4k
     # (ab_decode.py) 77.95 tok/s with both at 3 stages, 131.55 with down's alone, vs 132.95: stays 0
     stages: int = 0
+    # int8 IQ2_XXS gate/up: each sub-block's 4 group dots summed as integers before its one scaling (2 ls + 1,
+    # I2F, FMA) instead of scaling each group: sm_90 k loop 239 -> 218 instructions a step (int 150 -> 144,
+    # fp 16 -> 4; with prefetch 259 -> 244; bench_moe.py --compile-only, session 20); closer to the integer
+    # twin, which sums whole blocks first. Not yet timed: off (env DS4_MOE_GSUM=1)
+    gsum: bool = False
 
     def __post_init__(self) -> None:
         if self.terms not in (1, 2):
@@ -1155,8 +1169,9 @@ _SIGN_MATH = os.environ.get("DS4_MOE_SIGN_MATH", "0" if _PRMT else "1") == "1"
 # gate/up 26.7 vs 26.7 us (bench_moe.py --latest), whole model 112.04 vs 111.15 tok/s at 4k (ab_decode.py, two
 # rounds, x1.008: within the spread of such runs): off, env DS4_MOE_LDS=1.
 _LDS = _PRMT and not _GRID16 and os.environ.get("DS4_MOE_LDS", "0") == "1"
+_GSUM = os.environ.get("DS4_MOE_GSUM", "0") == "1"
 _GATE_UP_INT8 = MoeConfig(
-    bn=16, splits=1, int8=True, sign_math=_SIGN_MATH, grid16=_GRID16, prmt=_PRMT, lds=_LDS
+    bn=16, splits=1, int8=True, sign_math=_SIGN_MATH, grid16=_GRID16, prmt=_PRMT, lds=_LDS, gsum=_GSUM
 )
 GATE_UP = _GATE_UP_INT8 if _INT8 else MoeConfig(bn=8, splits=1)
 DOWN = MoeConfig(bn=64, splits=1, int8=True) if _INT8 else MoeConfig(bn=32, splits=1)
@@ -1244,7 +1259,7 @@ def moe_gate_up(
             xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"], tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
             TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, PREFETCH=cfg.prefetch,
-            GATHER=cfg.gather, LDS=cfg.lds, STAGES=cfg.stages, num_warps=cfg.warps,
+            GATHER=cfg.gather, LDS=cfg.lds, STAGES=cfg.stages, GSUM=cfg.gsum, num_warps=cfg.warps,
             launch_pdl=PDL,
         )  # fmt: skip
     elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:

@@ -60,6 +60,8 @@ Variants (each the other side of an engine default; env names in brackets):
   moe down bn32   moe.DOWN.bn = 32
   moe st3 / st2   moe.GATE_UP / DOWN .stages = 3 / 2: the B = 1 expert kernels' loops pipelined by Triton
                   ("moe gu st3" / "moe dn st3": one of them)
+  moe gsum        moe.GATE_UP.gsum (DS4_MOE_GSUM=1): each sub-block's group sums added before its scaling
+                  ("moe gsum pf": with the next block's loads issued first)
   moe lds (math)  moe.GATE_UP.lds (DS4_MOE_LDS=1): the nibble tables in static shared memory (+ sign math)
   q8 tma          matvec.Q8_MV1.tma at Q8_TMA_TILE (DS4_Q8_TMA=1): the weight tiles by TMA copies into a
                   ring of shared buffers; "q8 tma bn32" / "bn8" / "s3" / "s6": other rows / stages; "q8
@@ -118,6 +120,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "moe dn st3": {(moe, "DOWN"): replace(moe.DOWN, stages=3)},
     "moe st2": {(moe, "GATE_UP"): replace(moe.GATE_UP, stages=2), (moe, "DOWN"): replace(moe.DOWN, stages=2)},
     "moe lds": {(moe, "GATE_UP"): replace(moe.GATE_UP, lds=True)},
+    "moe gsum": {(moe, "GATE_UP"): replace(moe.GATE_UP, gsum=True)},
+    "moe gsum pf": {(moe, "GATE_UP"): replace(moe.GATE_UP, gsum=True, prefetch=True)},
     "moe lds math": {(moe, "GATE_UP"): replace(moe.GATE_UP, lds=True, sign_math=True)},
     "no step memo": {(layer, "STEP_MEMO"): False},
     "hc scalar": {(fused, "HC_FINISH_SCALAR"): True},
