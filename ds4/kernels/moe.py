@@ -420,7 +420,7 @@ def _iq2_q8k_block(
     """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g v per group 4 sb + l of IQ2_XXS super-block kt of rows
     wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
     x2lo, x2hi (TERMS 2; v = 254 q1 + q2) and scale dx of x. The caller accumulates these per lane and
-    reduces once after its k loop (in-loop reductions cost barriers)."""
+    reduces once after its k loop (in-loop reductions cost barriers). GSUM: [BN, 8, 1] (see _iq2_q8k_dot)."""
     idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)
     return _iq2_q8k_dot(
         idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS,
@@ -673,7 +673,7 @@ def _iq2_q8k_dot(
     if TERMS == 2:
         dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)
     # |dot (2 ls + 1)| <= 8 * 43 * 127 * 31 < 2^24 (TERMS 1: exact as f32), x 255 < 2^31 (TERMS 2)
-    if GSUM:  # lg lies within a thread: 3 adds for 3 multiplies, conversions and FMAs; x 4 < 2^31 still
+    if GSUM:  # lg lies within a thread: 3 integer adds save 3 multiplies, I2Fs and FMAs; x 4 < 2^31 still
         dot = tl.sum(dot, axis=2, keep_dims=True)
     scaled = dot * (2 * ((a1 >> 28) & 15) + 1)
     return (d * dx)[:, None, None] * scaled.to(tl.float32)
