@@ -12,6 +12,7 @@ source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_chain_probe.py
   TAIL=40 run chain 100 python3 tools/gpu/bench_chain.py --per-sm 4
+  TAIL=14 run chain8k 60 python3 tools/gpu/bench_chain.py --n 8192 --stages 16 --per-sm 4  # 67 MB a stage
   TAIL=14 run bench 90 python3 tools/gpu/bench_q8.py --variants --latest
   TAIL=10 run ab "$(left)" python3 tools/gpu/ab_decode.py --rounds 2 \
     --variants "q8 target 1056,q8 target 528,q8 no split,q8 tk1024,q8 bn16,q8 head tma"
