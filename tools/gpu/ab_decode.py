@@ -158,7 +158,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 tma s3": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "stages": 3})},
     "q8 tma s6": {(mv, "Q8_MV1"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "stages": 6})},
     "q8 pipe": {(mv, "Q8_MV1"): replace(BASE_Q8, **mv.Q8_TMA_TILE)},  # that tile with plain loads
-    "q8 head tma": {(mv, "Q8_HEAD"): replace(BASE_Q8, tma=True, **{**mv.Q8_TMA_TILE, "bn": 32})},
+    "q8 head tma": {(mv, "Q8_HEAD"): mv.Q8_HEAD_TILE},
     "q8 flat": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=660)},
     "q8 flat 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=1056)},
     "q8 target 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, target=1056)},
