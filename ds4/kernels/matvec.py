@@ -478,12 +478,20 @@ Q8_INT8_TILE = {"bn": 4, "tk": 1024}  # the int8 variant's tile (tools replace Q
 _Q8_TMA = os.environ.get("DS4_Q8_TMA", "0") == "1"
 Q8_TMA_TILE = {"bn": 16, "tk": 256, "stages": 4}
 _TILE = Q8_INT8_TILE if _Q8_INT8 else Q8_TMA_TILE if _Q8_TMA else {"bn": 8, "tk": 512, "stages": 1}
+# Split-K aims at 528 programs (4 an SM), not 2112: H200, session 21, whole model at 4k ctx (ab_decode.py "q8
+# target 528", the variants taking turns) 134.74 vs 132.06 tok/s over 4 rounds (x1.020, every round alike;
+# x1.016 in a 2-round call before); 1056 132.32 vs 132.79 (x0.996). Against 528 as the default (3 rounds):
+# 2112 x0.983, 792 x1.005, 396 x0.941, 264 x0.938. Fewer splits: fewer partial sums to add and fewer
+# programs to start for the same bytes (q_a + kv 8 -> 3 splits, o_b 4 -> 2, o_a 3 -> 1); too few leave too
+# few bytes in flight. 1024-element k-tiles on all but the head ("q8 tk1024 body"): 133.47 tok/s at 2112,
+# 132.64 at 528 (vs 134.74 with 512): not taken. Env DS4_Q8_TARGET.
+_Q8_TARGET = int(os.environ.get("DS4_Q8_TARGET", "528"))
 Q8_MV1 = Q8Config(
     bn=_TILE["bn"],
     tk=_TILE["tk"],
     warps=4,
     stages=_TILE.get("stages", 1),
-    target=2112,
+    target=_Q8_TARGET,
     xdirect=os.environ.get("DS4_Q8_XDIRECT", "1") == "1",
     magic=os.environ.get("DS4_Q8_MAGIC", "0") == "1",
     prefetch=os.environ.get("DS4_Q8_PREFETCH", "1") != "0",

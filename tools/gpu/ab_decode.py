@@ -54,7 +54,8 @@ Variants (each the other side of an engine default; env names in brackets):
   topk kernel     layer.TOPK_KERNEL         (DS4_TOPK_KERNEL=1) the indexer top-k by ds4.kernels.topk
   no wide         layer.INDEXER_WIDE off (DS4_INDEXER_WIDE=0): the rows past INDEXER_SELECT_MAX by the sort,
                   not topk.select_rows_wide (time it at --ctx 65536); "wide all": INDEXER_WIDE_MAX = 2^18,
-                  the wide select up to 1M ctx
+                  the wide select up to 1M ctx; "wide c1024" / "c512" / "c256": its chunks of that many
+                  scores (topk.WIDE_MIN_CHUNK, WIDE_PROGRAMS 32 / 64 / 128: G = 17 / 33 / 65 at 64k ctx)
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
   moe down bn32   moe.DOWN.bn = 32
@@ -68,8 +69,12 @@ Variants (each the other side of an engine default; env names in brackets):
                   pipe": its tile with plain loads (Triton's cp.async pipelining); "q8 head tma": the output
                   head alone by it at 32 rows (matvec.Q8_HEAD, DS4_Q8_HEAD_TMA=1)
   q8 flat         matvec.Q8_MV1.flat = 660 (1056: "q8 flat 1056") long-lived programs on the large matrices
-  q8 target 1056  matvec.Q8_MV1.target = 1056 ("528"; "q8 no split": 1): fewer split-K programs; "q8 tk1024"
-                  / "q8 bn16": longer k-tiles / more rows a program (more bytes in flight per load)
+  q8 target 1056  matvec.Q8_MV1.target = 1056 ("528", the default; "2112", the one before; "264" /
+                  "396" / "792"; "q8 no split": 1):
+                  the split-K programs aimed at (DS4_Q8_TARGET); "q8 tk1024"
+                  / "q8 bn16": longer k-tiles / more rows a program (more bytes in flight per load);
+                  "q8 tk1024 body": those k-tiles on all matrices but the output head (matvec.Q8_HEAD:
+                  the default tile)
   all             the off-by-default switches (magic, indexer topk, half prefetch) at once
 --variants picks some (comma-separated). dispatch.PDL_EARLY (env DS4_PDL_EARLY, on) is fixed per process:
 time it by running the tool once with DS4_PDL_EARLY=0 and once without.
@@ -89,7 +94,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from ds4.bench import synthetic_model  # noqa: E402
-from ds4.kernels import attend, dispatch, fused, moe, prefetch  # noqa: E402
+from ds4.kernels import attend, dispatch, fused, moe, prefetch, topk  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
 from ds4.model.cuda import fused as cfused  # noqa: E402
 from ds4.model.cuda import layer, streams  # noqa: E402
@@ -147,6 +152,11 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "topk kernel": {(layer, "TOPK_KERNEL"): True, **SORT},
     "no wide": {(layer, "INDEXER_WIDE"): False},
     "wide all": {(layer, "INDEXER_WIDE_MAX"): 1 << 18},
+    # shorter chunks (more programs a row): each program's histogram passes run fewer instructions
+    **{
+        f"wide c{c}": {(topk, "WIDE_MIN_CHUNK"): c, (topk, "WIDE_PROGRAMS"): p}
+        for c, p in ((1024, 32), (512, 64), (256, 128))
+    },
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
@@ -163,8 +173,12 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 flat 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=1056)},
     "q8 target 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, target=1056)},
     "q8 target 528": {(mv, "Q8_MV1"): replace(BASE_Q8, target=528)},
+    "q8 target 2112": {(mv, "Q8_MV1"): replace(BASE_Q8, target=2112)},  # the default before session 21
+    **{f"q8 target {t}": {(mv, "Q8_MV1"): replace(BASE_Q8, target=t)} for t in (264, 396, 792)},
     "q8 no split": {(mv, "Q8_MV1"): replace(BASE_Q8, target=1)},
     "q8 tk1024": {(mv, "Q8_MV1"): replace(BASE_Q8, tk=1024)},
+    # the longer k-tiles on every matrix but the output head, which bench_q8 measured slower with them
+    "q8 tk1024 body": {(mv, "Q8_MV1"): replace(BASE_Q8, tk=1024), (mv, "Q8_HEAD"): BASE_Q8},
     "q8 bn16": {(mv, "Q8_MV1"): replace(BASE_Q8, bn=16)},
     "half prefetch": {
         (mv, "HMV_SMALL"): replace(mv.HMV_SMALL, prefetch=True),
