@@ -1132,7 +1132,10 @@ class MoeConfig:
     # int8 IQ2_XXS gate/up: each sub-block's 4 group dots summed as integers before its one scaling (2 ls + 1,
     # I2F, FMA) instead of scaling each group: sm_90 k loop 239 -> 218 instructions a step (int 150 -> 144,
     # fp 16 -> 4; with prefetch 259 -> 244; bench_moe.py --compile-only, session 20); closer to the integer
-    # twin, which sums whole blocks first. Not yet timed: off (env DS4_MOE_GSUM=1)
+    # twin, which sums whole blocks first. H200, session 21: bench_moe.py --latest B = 1 gate/up 28.8 us (26.4
+    # with prefetch) vs 27.0, B = 4 94.7 (87.5) vs 88.2; whole model at 4k (ab_decode.py "moe gsum" / "moe
+    # gsum pf") 131.23 / 132.95 vs 132.91 tok/s: fewer instructions, no faster (the B = 1 loop waits on
+    # loads, not issue): off (env DS4_MOE_GSUM=1)
     gsum: bool = False
 
     def __post_init__(self) -> None:

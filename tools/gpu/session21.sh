@@ -7,7 +7,16 @@
 #   part b: the routed gate/up with each sub-block's group sums added before its scaling (moe.MoeConfig.gsum,
 #           off; sm_90 k loop 239 -> 218 instructions): its GPU tests, bench_moe --latest (B = 1 / 4 per
 #           layer), the whole model at 4k with it (ab_decode), the B = 1 / 8 / 32 steps and the check.
-# Usage: bash tools/gpu/session21.sh a|b
+#   part c: where the replayed decode graph's time goes (tools/gpu/graph_timeline.py at 4k ctx: span, idle,
+#           the main stream's exclusive times and gaps by kernel), the Q8_0 tile variants of parts a / b's
+#           leads over 4 rounds, the batched-vs-alone check at the paths the engine takes (B = 1, 3, 8, 16).
+#           (Run with "q8 target 528" and "q8 528 tk1024 body" where the list now names "q8 target 2112" and
+#           nothing: target 528 became the default, which "q8 tk1024 body" now runs at.)
+#   part d: at the new default (split-K target 528): the Q8_0 GPU tests, graph_timeline (the chain of kernel
+#           ends), other targets (ab_decode 3 rounds), the ds4-bench sweep 2k / 64k.
+#   part e: (run inline on the warm machine) graph_timeline at 64k ctx; the wide select's chunk sizes at 64k
+#           ctx (ab_decode "wide c1024,c512,c256") with the top-k GPU tests.
+# Usage: bash tools/gpu/session21.sh a|b|c|d|e
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_chain_probe.py
@@ -23,4 +32,26 @@ if [ "$1" = b ]; then
   TAIL=12 run bench 120 python3 tools/gpu/bench_moe.py --latest
   TAIL=6 run ab 120 python3 tools/gpu/ab_decode.py --rounds 2 --variants "moe gsum,moe gsum pf"
   TAIL=8 run step "$(left)" env DS4_MOE_GSUM=1 python3 tools/gpu/batch_check.py --batches 1,8,32 --steps 16
+fi
+if [ "$1" = c ]; then
+  TAIL=3 run tests 30 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_graph_timeline.py
+  TAIL=45 run timeline 150 python3 tools/gpu/graph_timeline.py --ctx 4096 --steps 8 --top 40
+  TAIL=12 run ab 200 python3 tools/gpu/ab_decode.py --rounds 4 \
+    --variants "q8 target 2112,q8 tk1024,q8 tk1024 body"
+  TAIL=24 run check "$(left)" python3 tools/gpu/batch_check.py --skip-time
+fi
+if [ "$1" = d ]; then
+  TAIL=3 run tests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    tests/test_graph_timeline.py
+  TAIL=45 run timeline 120 python3 tools/gpu/graph_timeline.py --ctx 4096 --steps 8 --top 40
+  TAIL=8 run ab 130 python3 tools/gpu/ab_decode.py --rounds 3 \
+    --variants "q8 target 2112,q8 target 264,q8 target 396,q8 target 792"
+  TAIL=6 run sweep "$(left)" python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
+    --step-mul 32 -n 64
+fi
+if [ "$1" = e ]; then
+  TAIL=30 run timeline64k 200 python3 tools/gpu/graph_timeline.py --ctx 65536 --steps 8 --top 24
+  TAIL=3 run tests 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py
+  TAIL=10 run ab64 240 python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 \
+    --variants "wide c1024,wide c512,wide c256"
 fi
