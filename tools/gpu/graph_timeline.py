@@ -1,5 +1,5 @@
 """Where a replayed decode graph's time goes (issue 5): the kernels of the captured B = 1 step as the GPU ran
-them, per stream, with the gaps between them.
+them, what each one's end added to the step, and the gaps where nothing ran.
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/graph_timeline.py [--ctx 4096] [--steps 8] [--top 30]
 
