@@ -194,26 +194,31 @@ def test_cuda_prefetch_changes_no_bit(official_gguf, monkeypatch):
 @pytest.mark.cuda
 def test_cuda_wide_select_changes_no_bit(official_gguf, monkeypatch):
     """The indexer's top-k by the several-programs-a-row select (layer.INDEXER_WIDE; its chunks shrunk so
-    that the official model's 75-100 rows span up to 4 programs) instead of the one-program select: the same
-    set in the same ascending order, so bit-identical greedy tokens and logits."""
+    that the official model's 75-100 rows span up to 4 programs), at both digit sets (topk.WIDE_DIGITS),
+    instead of the one-program select: the same set in the same ascending order, so bit-identical greedy
+    tokens and logits."""
     from ds4.kernels import topk
     from ds4.model.cuda import layer
 
     model = _cached_cuda(official_gguf)
     out = {}
-    for wide in (False, True):
+    for mode in ("one", "d11", "d8"):
+        wide = mode != "one"
         monkeypatch.setattr(layer, "INDEXER_WIDE", wide)
         if wide:
             monkeypatch.setattr(layer, "INDEXER_SELECT_MAX", 4)  # every indexer row past it
             monkeypatch.setattr(layer, "INDEXER_WIDE_MAX", 1 << 18)
             monkeypatch.setattr(topk, "WIDE_MIN_CHUNK", 32)
             monkeypatch.setattr(topk, "WIDE_PROGRAMS", 4)
+            digits = topk.WIDE_DIGITS_8 if mode == "d8" else topk.WIDE_DIGITS_11
+            monkeypatch.setattr(topk, "WIDE_DIGITS", digits)
         st = model.new_state(400)
         model.forward(st, list(range(100, 400)))
         toks = model.decode_greedy(st, 7, 8).tolist()
-        out[wide] = (toks, st._runner.logits.clone())
-    assert out[True][0] == out[False][0]
-    assert torch.equal(out[True][1], out[False][1])
+        out[mode] = (toks, st._runner.logits.clone())
+    for mode in ("d11", "d8"):
+        assert out[mode][0] == out["one"][0], mode
+        assert torch.equal(out[mode][1], out["one"][1]), mode
 
 
 @pytest.mark.cuda

@@ -82,15 +82,21 @@ def test_select_rows_ties_cross_chunks(monkeypatch) -> None:
         topk.select_rows(s, 201)
 
 
+DIGITS = {"d8": topk.WIDE_DIGITS_8, "d11": topk.WIDE_DIGITS_11}
+
+
+@pytest.mark.parametrize("digits", list(DIGITS.values()), ids=list(DIGITS))
 @pytest.mark.parametrize(
     ("B", "n", "k", "programs"),
     [(1, 300, 16, 4), (2, 600, 100, 4), (1, 256, 64, 8), (1, 64, 64, 4)],
     ids=["ragged", "rows-2", "programs-4", "k=n"],
 )
-def test_select_rows_wide_is_the_sorts_set(monkeypatch, B: int, n: int, k: int, programs: int) -> None:
+def test_select_rows_wide_is_the_sorts_set(monkeypatch, B: int, n: int, k: int, programs: int, digits):
     """The select with several programs a row (select_rows_wide; chunks shrunk so that a row spans up to 4
-    programs): the stable sort's top-k indices in index order, on tie-heavy scores (equal ones split across
-    chunks: each chunk's share of the taken ones) and on distinct random ones."""
+    programs), at 8-bit digits (4 passes) and at 11 / 11 / 10: the stable sort's top-k indices in index
+    order, on tie-heavy scores (equal ones split across chunks: each chunk's share of the taken ones) and on
+    distinct random ones."""
+    monkeypatch.setattr(topk, "WIDE_DIGITS", digits)
     monkeypatch.setattr(topk, "WIDE_MIN_CHUNK", 64)
     monkeypatch.setattr(topk, "WIDE_PROGRAMS", programs)
     C, G = topk.wide_plan(n)
@@ -103,8 +109,10 @@ def test_select_rows_wide_is_the_sorts_set(monkeypatch, B: int, n: int, k: int, 
     assert torch.equal(topk.select_rows_wide(r, k).cpu(), ref.top_rows(r.cpu(), k).sort(dim=-1).values)
 
 
-def test_select_rows_wide_all_equal_and_bounds(monkeypatch) -> None:
+@pytest.mark.parametrize("digits", list(DIGITS.values()), ids=list(DIGITS))
+def test_select_rows_wide_all_equal_and_bounds(monkeypatch, digits) -> None:
     """Every score equal across 4 chunks: the k lowest indices; a column slice; n past WIDE_MAX refused."""
+    monkeypatch.setattr(topk, "WIDE_DIGITS", digits)
     monkeypatch.setattr(topk, "WIDE_MIN_CHUNK", 64)
     monkeypatch.setattr(topk, "WIDE_PROGRAMS", 4)
     s = torch.zeros(1, 256, device=DEVICE)
@@ -118,6 +126,16 @@ def test_select_rows_wide_all_equal_and_bounds(monkeypatch) -> None:
     monkeypatch.setattr(topk, "WIDE_MAX", 100)
     with pytest.raises(ValueError, match="n <= 100"):
         topk.select_rows_wide(s, 8)
+
+
+BAD_DIGITS = [((24, 8), (16, 8), (8, 8)), ((20, 12), (8, 12), (0, 8)), ((24, 8), (0, 24)), ((24, 8), (8, 8))]
+
+
+@pytest.mark.parametrize("digits", BAD_DIGITS, ids=["short", "12-bit", "24-bit", "gap"])
+def test_select_rows_wide_refuses_digits_that_do_not_tile_the_bits(monkeypatch, digits) -> None:
+    monkeypatch.setattr(topk, "WIDE_DIGITS", digits)
+    with pytest.raises(ValueError, match="digits must"):
+        topk.select_rows_wide(torch.zeros(1, 100, device=DEVICE), 8)
 
 
 def test_decode_takes_the_select_for_rows_in_registers(monkeypatch) -> None:

@@ -238,8 +238,17 @@ def select_rows(score: torch.Tensor, k: int) -> torch.Tensor:
 WIDE_PROGRAMS = int(os.environ.get("DS4_WIDE_PROGRAMS", "16"))  # chunks a row at most (env: for A/B runs)
 WIDE_MIN_CHUNK = 2048  # scores a program at least
 WIDE_MAX = 1 << 18  # scores a row at most (262,144: a 1M-token context's ratio-4 rows); longer rows: the sort
-WIDE_BINS = 2048  # histogram bins of a pass (11 bits)
-_WIDE_SHIFTS = (21, 10, 0)  # bits 31..21, 20..10, 9..0
+# The digits of the passes, most significant first, as (shift, width): they tile bits 31..0. Session 20's
+# 11 / 11 / 10 (5 launches) or 8-bit digits (4 passes + count + write: 6 launches): every program of a row
+# sums all G histograms of the pass before it, so a pass's cost grows with its bins (session 21's chunk
+# sizes at 64k ctx fit ~7 us a 2048-bin histogram pass + ~2 us a merge; 256 bins: sm_90 800 vs 2,176
+# instructions a thread at C = 2,048, 8x less to merge). The same set either way (tests, and the whole-model
+# bit check on the GPU). H200, session 21, whole model at 64k ctx (ab_decode.py, 2 rounds alike): 8-bit
+# 127.91 vs 115.00 tok/s (x1.112); at 1,024-score chunks too 128.87 (x1.121 of the 11-bit; under the 1 %
+# bar over 8-bit alone: chunks stay 2,048). On; env DS4_WIDE_DIGITS=11: the 11-bit digits.
+WIDE_DIGITS_8 = ((24, 8), (16, 8), (8, 8), (0, 8))
+WIDE_DIGITS_11 = ((21, 11), (10, 11), (0, 10))
+WIDE_DIGITS = WIDE_DIGITS_11 if os.environ.get("DS4_WIDE_DIGITS", "8") == "11" else WIDE_DIGITS_8
 
 
 @triton.jit
@@ -251,12 +260,15 @@ def _wide_chunk(score_ptr, stride, n, C: tl.constexpr):
 
 
 @triton.jit
-def _wide_state(state_ptr, hist_ptr, G, K, BINS: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
+def _wide_state(
+    state_ptr, hist_ptr, G, K,
+    BINS: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr,
+):  # fmt: skip
     """(prefix, pmask, krem) after the pass whose G histograms [G, BINS] of row b are at hist_ptr (bits SHIFT
-    .. SHIFT + WIDTH - 1), from the state before it (state_ptr: prefix, pmask, krem of row b; the start when
-    SHIFT is the first pass's)."""
+    .. SHIFT + WIDTH - 1), from the state before it (state_ptr: prefix, pmask, krem of row b; FIRST: that pass
+    was the first, the state before it the start)."""
     b = tl.program_id(1)
-    if SHIFT == 21:
+    if FIRST:
         prefix = tl.zeros([], tl.uint32)
         pmask = tl.zeros([], tl.uint32)
         krem = K
@@ -289,16 +301,18 @@ def _wide_store_state(state_ptr, prefix, pmask, krem):
 @triton.jit
 def _wide_hist_kernel(
     score_ptr, stride, n, K, G, hist_in, state_in, hist_out, state_out,
-    C: tl.constexpr, BINS: tl.constexpr, PREV: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+    C: tl.constexpr, BINS: tl.constexpr, PREV: tl.constexpr, PREV_WIDTH: tl.constexpr,
+    PREV_FIRST: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
     """Pass of bits SHIFT .. SHIFT + WIDTH - 1: program (g, b) histograms its chunk's scores whose higher bits
-    equal row b's prefix into hist_out[b, g]; PREV (>= 0: that pass's shift): first the prefix from the
-    previous pass (hist_in, state_in), recorded in state_out."""
+    equal row b's prefix into hist_out[b, g]; PREV (>= 0: the previous pass's shift; its width PREV_WIDTH,
+    PREV_FIRST: it was the first): first the prefix from that pass (hist_in, state_in), recorded in
+    state_out."""
     pdl_wait()  # the scores / histograms come from the kernel before (dispatch.PDL)
     prefix = tl.zeros([], tl.uint32)
     pmask = tl.zeros([], tl.uint32)
     if PREV >= 0:
-        prefix, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, PREV, 11)
+        prefix, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, PREV, PREV_WIDTH, PREV_FIRST)
         _wide_store_state(state_out, prefix, pmask, krem)
     i, valid, u = _wide_chunk(score_ptr, stride, n, C)
     keep = valid & ((u & pmask) == prefix)
@@ -309,12 +323,14 @@ def _wide_hist_kernel(
 
 @triton.jit
 def _wide_count_kernel(
-    score_ptr, stride, n, K, G, hist_in, state_in, cnt_ptr, state_out, C: tl.constexpr, BINS: tl.constexpr
-):
-    """The last digit: row b's threshold (the K-th largest) and how many equal ones to take (state_out);
-    program (g, b) counts its chunk's scores above / equal to it into cnt[b, g, 0 / 1]."""
+    score_ptr, stride, n, K, G, hist_in, state_in, cnt_ptr, state_out,
+    C: tl.constexpr, BINS: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr,
+):  # fmt: skip
+    """The last digit (bits 0 .. WIDTH - 1; FIRST: the only pass): row b's threshold (the K-th largest) and
+    how many equal ones to take (state_out); program (g, b) counts its chunk's scores above / equal to it
+    into cnt[b, g, 0 / 1]."""
     pdl_wait()
-    thr, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, 0, 10)
+    thr, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, 0, WIDTH, FIRST)
     _wide_store_state(state_out, thr, pmask, krem)
     i, valid, u = _wide_chunk(score_ptr, stride, n, C)
     at = cnt_ptr + (tl.program_id(1).to(tl.int64) * G + tl.program_id(0)) * 2
@@ -362,24 +378,38 @@ def select_rows_wide(score: torch.Tensor, k: int) -> torch.Tensor:
     if score.stride(1) != 1:
         score = score.contiguous()
     C, G = wide_plan(n)
-    dev, BINS = score.device, WIDE_BINS
+    digits = _digits(WIDE_DIGITS)
+    D, BINS, dev = len(digits), 1 << max(w for _, w in digits), score.device
     hist = torch.empty(2, B, G, BINS, dtype=torch.int32, device=dev)  # passes alternate between the two
-    state = torch.empty(3, B, 3, dtype=torch.int32, device=dev)  # after passes 1, 2 and the last digit
+    state = torch.empty(D, B, 3, dtype=torch.int32, device=dev)  # after each digit
     cnt = torch.empty(B, G, 2, dtype=torch.int32, device=dev)
     out = torch.empty(B, k, dtype=torch.int64, device=dev)
     launch = dict(num_warps=8 if C <= 4096 else 16, launch_pdl=PDL)  # a dict() call: test_pdl_wiring sees it
     args = (score, score.stride(0), n, k, G)
-    for p, shift in enumerate(_WIDE_SHIFTS):
-        prev = _WIDE_SHIFTS[p - 1] if p else -1
-        width = 11 if shift else 10
+    for p, (shift, width) in enumerate(digits):
+        prev, prev_width = digits[p - 1] if p else (-1, 0)
         _wide_hist_kernel[(G, B)](
             *args, hist[(p + 1) % 2], state[max(p - 2, 0)], hist[p % 2], state[max(p - 1, 0)],
-            C=C, BINS=BINS, PREV=prev, SHIFT=shift, WIDTH=width, **launch,
+            C=C, BINS=BINS, PREV=prev, PREV_WIDTH=prev_width, PREV_FIRST=p == 1, SHIFT=shift, WIDTH=width,
+            **launch,
         )  # fmt: skip
-    _wide_count_kernel[(G, B)](*args, hist[0], state[1], cnt, state[2], C=C, BINS=BINS, **launch)
+    _wide_count_kernel[(G, B)](
+        *args, hist[(D - 1) % 2], state[max(D - 2, 0)], cnt, state[D - 1],
+        C=C, BINS=BINS, WIDTH=digits[-1][1], FIRST=D == 1, **launch,
+    )  # fmt: skip
     gp = triton.next_power_of_2(G)
-    _wide_write_kernel[(G, B)](*args, cnt, state[2], out, C=C, GP=gp, **launch)
+    _wide_write_kernel[(G, B)](*args, cnt, state[D - 1], out, C=C, GP=gp, **launch)
     return out
+
+
+def _digits(digits: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """digits, checked: (shift, width) pairs, most significant first, tiling bits 31..0 (the last at 0)."""
+    top = 32
+    for shift, width in digits:
+        _check(0 < width <= 11 and shift + width == top, f"wide select digits must tile bits 31..0: {digits}")
+        top = shift
+    _check(top == 0, f"wide select digits must end at bit 0: {digits}")
+    return digits
 
 
 __all__ = ["select_rows", "select_rows_wide", "top_rows", "supports"]

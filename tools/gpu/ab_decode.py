@@ -55,7 +55,9 @@ Variants (each the other side of an engine default; env names in brackets):
   no wide         layer.INDEXER_WIDE off (DS4_INDEXER_WIDE=0): the rows past INDEXER_SELECT_MAX by the sort,
                   not topk.select_rows_wide (time it at --ctx 65536); "wide all": INDEXER_WIDE_MAX = 2^18,
                   the wide select up to 1M ctx; "wide c1024" / "c512" / "c256": its chunks of that many
-                  scores (topk.WIDE_MIN_CHUNK, WIDE_PROGRAMS 32 / 64 / 128: G = 17 / 33 / 65 at 64k ctx)
+                  scores (topk.WIDE_MIN_CHUNK, WIDE_PROGRAMS 32 / 64 / 128: G = 17 / 33 / 65 at 64k ctx);
+                  "wide d11": its passes by 11 / 11 / 10-bit digits (topk.WIDE_DIGITS, DS4_WIDE_DIGITS=11),
+                  not the default 8-bit ones ("wide d8")
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
   moe down bn32   moe.DOWN.bn = 32
@@ -152,6 +154,8 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "topk kernel": {(layer, "TOPK_KERNEL"): True, **SORT},
     "no wide": {(layer, "INDEXER_WIDE"): False},
     "wide all": {(layer, "INDEXER_WIDE_MAX"): 1 << 18},
+    "wide d11": {(topk, "WIDE_DIGITS"): topk.WIDE_DIGITS_11},  # session 20's 11 / 11 / 10-bit passes
+    "wide d8": {(topk, "WIDE_DIGITS"): topk.WIDE_DIGITS_8},  # 4 passes of 8-bit digits (the default)
     # shorter chunks (more programs a row): each program's histogram passes run fewer instructions
     **{
         f"wide c{c}": {(topk, "WIDE_MIN_CHUNK"): c, (topk, "WIDE_PROGRAMS"): p}

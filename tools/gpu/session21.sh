@@ -16,7 +16,11 @@
 #           ends), other targets (ab_decode 3 rounds), the ds4-bench sweep 2k / 64k.
 #   part e: (run inline on the warm machine) graph_timeline at 64k ctx; the wide select's chunk sizes at 64k
 #           ctx (ab_decode "wide c1024,c512,c256") with the top-k GPU tests.
-# Usage: bash tools/gpu/session21.sh a|b|c|d|e
+#   part f: the wide select by 8-bit digits (topk.WIDE_DIGITS, off): top-k GPU tests (both digit sets) and
+#           the whole-model bit check, then the whole model at 64k ctx with it (and at 1,024-score chunks).
+#           (Run with 11-bit the default and the variants "wide d8,wide d8 c1024"; 8-bit is the default now,
+#           so the list below names the same comparison from the other side.)
+# Usage: bash tools/gpu/session21.sh a|b|c|d|e|f
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_chain_probe.py
@@ -54,4 +58,10 @@ if [ "$1" = e ]; then
   TAIL=3 run tests 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py
   TAIL=10 run ab64 240 python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 \
     --variants "wide c1024,wide c512,wide c256"
+fi
+if [ "$1" = f ]; then
+  TAIL=3 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_topk.py \
+    tests/test_cuda_backend.py -k "select or top_rows or wide"
+  TAIL=10 run ab64 "$(left)" python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 2 \
+    --variants "wide d11,wide c1024"
 fi

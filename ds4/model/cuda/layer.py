@@ -513,8 +513,10 @@ INDEXER_SELECT_MAX = int(os.environ.get("DS4_INDEXER_SELECT_MAX", "4096"))
 # profile). H200, session 20, wide vs sort: 64k ctx (16,420 rows) 113.49 vs 109.39 tok/s at this default
 # (ab_decode.py "no wide", both rounds alike), ds4-bench --decode-at 107.81 vs 104.91; longer rows lost:
 # 128k (32,770) 97.87 vs 103.03 (101.03 at 32 programs a row), 256k (65,538) 82.63 / 84.50 vs 96.13 /
-# 97.66, 1M (262,146) 72.10 / 74.02 vs 76.24 / 74.19. Env DS4_INDEXER_WIDE=0: off; DS4_INDEXER_WIDE_MAX.
-# Read when a step is built.
+# 97.66, 1M (262,146) 72.10 / 74.02 vs 76.24 / 74.19. Session 21: its passes by 8-bit digits
+# (topk.WIDE_DIGITS) made it x1.112 at 64k; whether it now beats the sort past 20,480 rows (128k-1M ctx) is
+# not yet measured, so the bound stays. Env DS4_INDEXER_WIDE=0: off; DS4_INDEXER_WIDE_MAX. Read when a step
+# is built.
 INDEXER_WIDE = os.environ.get("DS4_INDEXER_WIDE", "1") == "1"
 INDEXER_WIDE_MAX = int(os.environ.get("DS4_INDEXER_WIDE_MAX", "20480"))
 
