@@ -2,8 +2,9 @@
 # Device calls prepared in session 21 (.gpu/shared carried):
 #   part a: the figures at session 21's defaults (split-K target 528, the wide select by 8-bit digits): the
 #           ds4-bench sweep 2k / 64k, then decode deep in the context (128k / 256k / 1M) with the sort past
-#           20,480 rows (the default) and with the 8-bit wide select there too (DS4_INDEXER_WIDE_MAX=262144):
-#           whether layer.INDEXER_WIDE_MAX can rise now.
+#           20,480 rows (the default) and with the 8-bit wide select there too (DS4_INDEXER_WIDE_MAX=262144),
+#           at up to 16 and 64 programs a row (the merge of 256-bin histograms is cheap now, so more
+#           programs may pay on long rows): whether layer.INDEXER_WIDE_MAX can rise now.
 #   part b: where the 64k and 4k steps go now (graph_timeline.py), 1,024-score wide chunks over 3 rounds
 #           (session 21: x1.008 over 2), and 32 streams at 8k (ds4-bench --parallel 32, issue 8).
 # Usage: bash tools/gpu/session22.sh a|b
@@ -13,7 +14,9 @@ if [ "$1" = a ]; then
     --step-mul 32 -n 64
   AT="--synthetic flash-q2 --decode-at 131072,262144,1048576 -n 32"
   TAIL=4 run long_default 110 python3 -m ds4.bench $AT
-  TAIL=4 run long_wide8 "$(left)" env DS4_INDEXER_WIDE_MAX=262144 python3 -m ds4.bench $AT
+  TAIL=4 run long_wide8 110 env DS4_INDEXER_WIDE_MAX=262144 python3 -m ds4.bench $AT
+  TAIL=4 run long_wide8_p64 "$(left)" env DS4_INDEXER_WIDE_MAX=262144 DS4_WIDE_PROGRAMS=64 \
+    python3 -m ds4.bench $AT
 fi
 if [ "$1" = b ]; then
   TAIL=30 run timeline64k 100 python3 tools/gpu/graph_timeline.py --ctx 65536 --steps 8 --top 24
