@@ -68,3 +68,34 @@ def test_analyze_charges_each_end_the_time_since_the_previous_end():
 def test_analyze_refuses_an_empty_step():
     with pytest.raises(ValueError):
         gt.analyze([])
+
+
+def test_step_callables_drive_the_runners_without_moving_the_sessions():
+    """_single_steps / _batch_steps on the tiny model (CPU device: the eager bodies the graphs capture): each
+    call runs a whole step at the same position (the work of a decode step; no session's token count moves),
+    the batched one with a distinct token per session."""
+    pytest.importorskip("gguf", reason="building the tiny model file needs gguf")
+    import torch
+
+    from ds4.gguf import open_model
+    from ds4.model.cuda import CudaModel, gguf_source
+    from ds4.tools.make_model import ensure_tiny_model
+
+    mf = open_model(ensure_tiny_model())
+    model = CudaModel(mf.config, gguf_source(mf), has=mf.has, device="cpu")
+    with torch.inference_mode():
+        single = model.new_state(64)
+        first = int(model.forward(single, list(range(1, 20))).argmax())
+        runner = model.runner(single)
+        runner.logits.fill_(float("nan"))
+        gt._single_steps(model, 4, first, single)()
+        assert bool(torch.isfinite(runner.logits).all()) and single.n_tokens == 19
+        assert int(runner.token) == first and int(runner.pos) == 19
+        pool = model.new_states(3, 64)
+        model.forward(pool[0], list(range(1, 20)))
+        for st in pool[1:]:
+            st.copy_from(pool[0])
+        got = gt._batch_steps(model, pool, first)()
+    assert got.shape == (3, model.cfg.n_vocab) and bool(torch.isfinite(got).all())
+    assert not torch.equal(got[0], got[1])  # distinct tokens per session
+    assert [st.n_tokens for st in pool] == [19, 19, 19]

@@ -1,7 +1,8 @@
-"""Where a replayed decode graph's time goes (issue 5): the kernels of the captured B = 1 step as the GPU ran
-them, what each one's end added to the step, and the gaps where nothing ran.
+"""Where a replayed decode graph's time goes (issues 5 and 8): the kernels of the captured B = 1 step (or,
+with --batch, the batched step of B sessions) as the GPU ran them, what each one's end added to the step,
+and the gaps where nothing ran.
 
-On the H200:  PYTHONPATH=. python3 tools/gpu/graph_timeline.py [--ctx 4096] [--steps 8] [--top 30]
+On the H200:  PYTHONPATH=. python3 tools/gpu/graph_timeline.py [--ctx 4096] [--steps 8] [--top 30] [--batch B]
 
 profile_regions.py runs the step eagerly (every kernel seen, but not the graph's overlap, PDL and side
 lanes); this one replays the graph the engine decodes with, under torch.profiler, and reads the kernel
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,38 +145,64 @@ def report(stats: list[StepStats], top: int) -> None:
         print(f"{calls:>6.0f} {dur:>9.1f} {excl:>9.1f} {gap:>8.1f}          ({len(rest)} other names)")
 
 
+def _single_steps(model, steps: int, first: int, state) -> Callable[[], None]:
+    """A step of the single-session decode graph (B = 1) at state's next position."""
+    from ds4.model.cuda.model import ctx_bound
+
+    runner = model.runner(state)
+    runner.token.fill_(first)
+    runner.pos.fill_(state.n_tokens)
+    bound = ctx_bound(state.n_tokens + steps + 1, state.ctx)
+    # the same position each time: a decode step's work (the state's values drift, its sizes do not)
+    return lambda: runner.step(bound)
+
+
+def _batch_steps(model, pool: list, first: int) -> Callable[[], None]:
+    """A step of the batched decode graph over the pool's sessions (distinct tokens: distinct experts)."""
+    from ds4.model.cuda.model import BatchRunner
+
+    kv = pool[0].pool
+    runner = kv.runner = kv.runner or BatchRunner(model, kv)
+    V = model.cfg.n_vocab
+    slots = [s.slot for s in pool]
+    toks = [(first + 7919 * i) % V for i in range(len(pool))]
+    pos = [s.n_tokens for s in pool]
+    return lambda: runner.step(slots, toks, pos)
+
+
 def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from ds4.bench import synthetic_model
-    from ds4.model.cuda.model import ctx_bound
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--batch", type=int, default=1, help="> 1: the batched step of that many sessions")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("graph_timeline: needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     model = synthetic_model("q2")
-    state = model.new_state(a.ctx + a.steps + 16)
+    alloc = a.ctx + a.steps + 16
+    pool = model.new_states(a.batch, alloc) if a.batch > 1 else [model.new_state(alloc)]
     V = model.cfg.n_vocab
     with torch.inference_mode():
-        first = int(model.forward(state, [(i * 7919 + 13) % V for i in range(a.ctx)]).argmax())
-        print(f"built and prefilled {a.ctx} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
-        runner = model.runner(state)
-        runner.token.fill_(first)
-        runner.pos.fill_(state.n_tokens)
-        bound = ctx_bound(state.n_tokens + a.steps + 1, state.ctx)
+        first = int(model.forward(pool[0], [(i * 7919 + 13) % V for i in range(a.ctx)]).argmax())
+        for st in pool[1:]:
+            st.copy_from(pool[0])
+        print(f"built and prefilled {a.ctx} tokens (B = {a.batch}) in {time.perf_counter() - t0:.1f} s")
+        step = (
+            _batch_steps(model, pool, first) if a.batch > 1 else _single_steps(model, a.steps, first, pool[0])
+        )
         # captured inside the profile too: kernels of a graph instantiated before tracing began may go
         # unrecorded; only the replays' launches are read
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            runner.step(bound)  # capture (and its eager warm-up)
-            for _ in range(a.steps):
-                runner.step(bound)  # the same position each time: a replay, not a decode
+            for _ in range(a.steps + 1):  # the first: capture (and its eager warm-up)
+                step()
             torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)

@@ -7,7 +7,9 @@
 #           programs may pay on long rows): whether layer.INDEXER_WIDE_MAX can rise now.
 #   part b: where the 64k and 4k steps go now (graph_timeline.py), 1,024-score wide chunks over 3 rounds
 #           (session 21: x1.008 over 2), and 32 streams at 8k (ds4-bench --parallel 32, issue 8).
-# Usage: bash tools/gpu/session22.sh a|b
+#   part c: where the batched step's time goes under graph replay (graph_timeline.py --batch 32 / 8 at 8k
+#           ctx; session 14's profile was eager, PDL off), for issue 8.
+# Usage: bash tools/gpu/session22.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=6 run sweep 150 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
@@ -24,4 +26,8 @@ if [ "$1" = b ]; then
   TAIL=8 run ab64 120 python3 tools/gpu/ab_decode.py --ctx 65536 --rounds 3 --variants "wide c1024,wide d11"
   TAIL=4 run bench32 "$(left)" python3 -m ds4.bench --synthetic flash-q2 --parallel 32 --ctx-start 8192 \
     --ctx-max 8192 -n 32 --ttft-prompt 1024 --prefill-budget 512
+fi
+if [ "$1" = c ]; then
+  TAIL=30 run timeline_b32 200 python3 tools/gpu/graph_timeline.py --ctx 8192 --batch 32 --steps 6 --top 24
+  TAIL=30 run timeline_b8 "$(left)" python3 tools/gpu/graph_timeline.py --ctx 8192 --batch 8 --steps 6 --top 24
 fi
