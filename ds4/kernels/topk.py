@@ -230,11 +230,12 @@ def select_rows(score: torch.Tensor, k: int) -> torch.Tensor:
 # 6 launches, no atomics, no memsets, the same indices in the same (ascending) order as select_rows.
 # H200, session 20 (11 / 11 / 10-bit digits, 5 launches), whole model: faster than the sort at 16,420
 # scores (64k ctx, x1.037), slower at 32,770 and more (128k-1M ctx; 32 programs a row lost less, still
-# lost): layer.INDEXER_WIDE_MAX keeps it to the rows where it won. Alone (tools/gpu/bench_topk_hc.py, eager: host launch costs of 5 launches included)
-# 250-366 us a call up to 64k ctx, so time it in the graph-replayed step. Session 21, 11-bit digits: in that
-# step at 64k ctx (tools/gpu/graph_timeline.py) its 5 launches added ~1.3 ms of the 8.6 ms (the 3 histogram
-# passes ~1.1); shorter chunks (more programs a row: ab_decode.py "wide c1024" / "c512" / "c256") 115.84 /
-# 113.34 / 107.22 vs 115.20 tok/s: not the chunk size but the bins (WIDE_DIGITS below).
+# lost): layer.INDEXER_WIDE_MAX keeps it to the rows where it won. Alone (tools/gpu/bench_topk_hc.py,
+# eager: host launch costs of 5 launches included) 250-366 us a call up to 64k ctx, so time it in the
+# graph-replayed step. Session 21, 11-bit digits: in that step at 64k ctx (tools/gpu/graph_timeline.py) its
+# 5 launches added ~1.3 ms of the 8.6 ms (the 3 histogram passes ~1.1); shorter chunks (more programs a
+# row: ab_decode.py "wide c1024" / "c512" / "c256") 115.84 / 113.34 / 107.22 vs 115.20 tok/s: not the
+# chunk size but the bins (WIDE_DIGITS below).
 WIDE_PROGRAMS = int(os.environ.get("DS4_WIDE_PROGRAMS", "16"))  # chunks a row at most (env: for A/B runs)
 WIDE_MIN_CHUNK = 2048  # scores a program at least
 WIDE_MAX = 1 << 18  # scores a row at most (262,144: a 1M-token context's ratio-4 rows); longer rows: the sort

@@ -29,5 +29,6 @@ if [ "$1" = b ]; then
 fi
 if [ "$1" = c ]; then
   TAIL=30 run timeline_b32 200 python3 tools/gpu/graph_timeline.py --ctx 8192 --batch 32 --steps 6 --top 24
-  TAIL=30 run timeline_b8 "$(left)" python3 tools/gpu/graph_timeline.py --ctx 8192 --batch 8 --steps 6 --top 24
+  TAIL=30 run timeline_b8 "$(left)" python3 tools/gpu/graph_timeline.py --ctx 8192 --batch 8 --steps 6 \
+    --top 24
 fi
