@@ -261,15 +261,12 @@ def _wide_chunk(score_ptr, stride, n, C: tl.constexpr):
 
 
 @triton.jit
-def _wide_state(
-    state_ptr, hist_ptr, G, K,
-    BINS: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr,
-):  # fmt: skip
+def _wide_state(state_ptr, hist_ptr, G, K, BINS: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
     """(prefix, pmask, krem) after the pass whose G histograms [G, BINS] of row b are at hist_ptr (bits SHIFT
-    .. SHIFT + WIDTH - 1), from the state before it (state_ptr: prefix, pmask, krem of row b; FIRST: that pass
-    was the first, the state before it the start)."""
+    .. SHIFT + WIDTH - 1), from the state before it (state_ptr: prefix, pmask, krem of row b; the start when
+    that pass was the first, its digit the top one)."""
     b = tl.program_id(1)
-    if FIRST:
+    if SHIFT + WIDTH == 32:
         prefix = tl.zeros([], tl.uint32)
         pmask = tl.zeros([], tl.uint32)
         krem = K
@@ -302,18 +299,17 @@ def _wide_store_state(state_ptr, prefix, pmask, krem):
 @triton.jit
 def _wide_hist_kernel(
     score_ptr, stride, n, K, G, hist_in, state_in, hist_out, state_out,
-    C: tl.constexpr, BINS: tl.constexpr, PREV: tl.constexpr, PREV_WIDTH: tl.constexpr,
-    PREV_FIRST: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+    C: tl.constexpr, BINS: tl.constexpr, PREV: tl.constexpr, PREV_WIDTH: tl.constexpr, SHIFT: tl.constexpr,
+    WIDTH: tl.constexpr,
 ):  # fmt: skip
     """Pass of bits SHIFT .. SHIFT + WIDTH - 1: program (g, b) histograms its chunk's scores whose higher bits
-    equal row b's prefix into hist_out[b, g]; PREV (>= 0: the previous pass's shift; its width PREV_WIDTH,
-    PREV_FIRST: it was the first): first the prefix from that pass (hist_in, state_in), recorded in
-    state_out."""
+    equal row b's prefix into hist_out[b, g]; PREV (>= 0: the previous pass's shift, PREV_WIDTH its width):
+    first the prefix from that pass (hist_in, state_in), recorded in state_out."""
     pdl_wait()  # the scores / histograms come from the kernel before (dispatch.PDL)
     prefix = tl.zeros([], tl.uint32)
     pmask = tl.zeros([], tl.uint32)
     if PREV >= 0:
-        prefix, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, PREV, PREV_WIDTH, PREV_FIRST)
+        prefix, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, PREV, PREV_WIDTH)
         _wide_store_state(state_out, prefix, pmask, krem)
     i, valid, u = _wide_chunk(score_ptr, stride, n, C)
     keep = valid & ((u & pmask) == prefix)
@@ -325,13 +321,12 @@ def _wide_hist_kernel(
 @triton.jit
 def _wide_count_kernel(
     score_ptr, stride, n, K, G, hist_in, state_in, cnt_ptr, state_out,
-    C: tl.constexpr, BINS: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr,
+    C: tl.constexpr, BINS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    """The last digit (bits 0 .. WIDTH - 1; FIRST: the only pass): row b's threshold (the K-th largest) and
-    how many equal ones to take (state_out); program (g, b) counts its chunk's scores above / equal to it
-    into cnt[b, g, 0 / 1]."""
+    """The last digit (bits 0 .. WIDTH - 1): row b's threshold (the K-th largest) and how many equal ones to
+    take (state_out); program (g, b) counts its chunk's scores above / equal to it into cnt[b, g, 0 / 1]."""
     pdl_wait()
-    thr, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, 0, WIDTH, FIRST)
+    thr, pmask, krem = _wide_state(state_in, hist_in, G, K, BINS, 0, WIDTH)
     _wide_store_state(state_out, thr, pmask, krem)
     i, valid, u = _wide_chunk(score_ptr, stride, n, C)
     at = cnt_ptr + (tl.program_id(1).to(tl.int64) * G + tl.program_id(0)) * 2
@@ -391,12 +386,11 @@ def select_rows_wide(score: torch.Tensor, k: int) -> torch.Tensor:
         prev, prev_width = digits[p - 1] if p else (-1, 0)
         _wide_hist_kernel[(G, B)](
             *args, hist[(p + 1) % 2], state[max(p - 2, 0)], hist[p % 2], state[max(p - 1, 0)],
-            C=C, BINS=BINS, PREV=prev, PREV_WIDTH=prev_width, PREV_FIRST=p == 1, SHIFT=shift, WIDTH=width,
-            **launch,
+            C=C, BINS=BINS, PREV=prev, PREV_WIDTH=prev_width, SHIFT=shift, WIDTH=width, **launch,
         )  # fmt: skip
-    _wide_count_kernel[(G, B)](
-        *args, hist[(D - 1) % 2], state[max(D - 2, 0)], cnt, state[D - 1],
-        C=C, BINS=BINS, WIDTH=digits[-1][1], FIRST=D == 1, **launch,
+    _wide_count_kernel[(G, B)](  # D >= 3 (_digits: at most 11 bits a digit)
+        *args, hist[(D - 1) % 2], state[D - 2], cnt, state[D - 1],
+        C=C, BINS=BINS, WIDTH=digits[-1][1], **launch,
     )  # fmt: skip
     gp = triton.next_power_of_2(G)
     _wide_write_kernel[(G, B)](*args, cnt, state[D - 1], out, C=C, GP=gp, **launch)
