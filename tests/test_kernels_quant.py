@@ -135,7 +135,7 @@ Q8_TILES = [
     matvec.Q8Config(16, 256, 4, 3, 8, prefetch=True, tma=True),  # the first k-tile copied before the wait
     matvec.Q8Config(8, 256, 4, 4, 10**6, prefetch=True, tma=True),  # one k-tile per split: all peeled
     matvec.Q8Config(32, 1024, 4, 2, 1, tma=True),  # no split; tk taken as 256 (a TMA box row)
-    matvec.Q8Config(32, 256, 4, 4, 2112, xdirect=True, prefetch=True, tma=True),  # the head's (Q8_HEAD)
+    matvec.Q8_HEAD_TILE,  # the head's (Q8_HEAD when on)
 ]
 # Q8Config.int8 against its twin ref.qmatvec_q8_0_int (the same integers, f32 rounding apart): F32_TOL;
 # against the exact f32 product: x's rounding error is <= amax / 64516 per value of each 32-block
@@ -218,7 +218,7 @@ def test_q8_mv1_flat_programs(monkeypatch, n, k, groups, programs):
 def test_qmatvec_takes_q8_head_tile_for_the_widest_matrices(monkeypatch):
     """qmatvec at B = 1 runs Q8_0 matrices of >= Q8_HEAD_ROWS rows at Q8_HEAD (when set) and the others at
     Q8_MV1; both within the f32 bound of the exact product."""
-    head = matvec.Q8Config(32, 256, 4, 4, 2112, xdirect=True, prefetch=True, tma=True)
+    head = matvec.Q8_HEAD_TILE
     monkeypatch.setattr(matvec, "Q8_HEAD", head)
     monkeypatch.setattr(matvec, "Q8_HEAD_ROWS", 64)
     seen = []
