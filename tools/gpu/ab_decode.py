@@ -175,10 +175,11 @@ SWITCHES = {  # variant -> {(module, attribute): value}
     "q8 head tma": {(mv, "Q8_HEAD"): mv.Q8_HEAD_TILE},
     "q8 flat": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=660)},
     "q8 flat 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, flat=1056)},
-    "q8 target 1056": {(mv, "Q8_MV1"): replace(BASE_Q8, target=1056)},
-    "q8 target 528": {(mv, "Q8_MV1"): replace(BASE_Q8, target=528)},
-    "q8 target 2112": {(mv, "Q8_MV1"): replace(BASE_Q8, target=2112)},  # the default before session 21
-    **{f"q8 target {t}": {(mv, "Q8_MV1"): replace(BASE_Q8, target=t)} for t in (264, 396, 792)},
+    # split-K aimed at t programs (528: the default; 2112: the one before session 21)
+    **{
+        f"q8 target {t}": {(mv, "Q8_MV1"): replace(BASE_Q8, target=t)}
+        for t in (264, 396, 528, 792, 1056, 2112)
+    },
     "q8 no split": {(mv, "Q8_MV1"): replace(BASE_Q8, target=1)},
     "q8 tk1024": {(mv, "Q8_MV1"): replace(BASE_Q8, tk=1024)},
     # the longer k-tiles on every matrix but the output head, which bench_q8 measured slower with them
