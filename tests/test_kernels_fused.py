@@ -169,6 +169,38 @@ def test_hc_pre_twin_matches_reference() -> None:
         assert _max_rel(a, b) < 1e-5
 
 
+def _head_inputs(B: int, S: int, d: int, fn_dtype: torch.dtype, seed: int):
+    """The output head's HC weights (fn [S, S*d], one scale, base [S]) and norm, fresh random."""
+    g = _gen(seed)
+    X = torch.randn(B, S, d, generator=g) * 2
+    fn = (torch.randn(S, S * d, generator=g) * (S * d) ** -0.5).to(fn_dtype)
+    scale, base = torch.rand(1, generator=g) + 0.5, torch.randn(S, generator=g) * 0.5
+    return X, fn, scale, base, torch.rand(d, generator=g) + 0.5
+
+
+@pytest.mark.parametrize(
+    ("B", "S", "d", "bd", "rows_min"),
+    [(1, 4, 64, 4096, 64), (3, 3, 200, 4096, 64), (2, 4, 200, 32, 64), (70, 4, 64, 4096, 64)],
+    ids=["1", "3-streams", "2pass", "row-tiles"],
+)
+@pytest.mark.parametrize("fn_dtype", [torch.float32, torch.float16])
+def test_hc_head_fused(monkeypatch, B: int, S: int, d: int, bd: int, rows_min: int, fn_dtype) -> None:
+    """The output head's collapse + output norm against the f64 model math (hc_head, then rms_norm): one
+    tile, a chunked row (two passes), the row-tile mixing projection (70 rows); and its torch twin."""
+    monkeypatch.setattr(fused, "HC_FINISH_BD", bd)
+    monkeypatch.setattr(fused, "HC_ROWS_MIN", rows_min)
+    X, fn, scale, base, norm = _head_inputs(B, S, d, fn_dtype, seed=B + S + d + bd)
+    got = fused.hc_head_fused(*(t.to(DEVICE) for t in (X, fn, scale, base, norm)), EPS, EPS)
+    w = hc.HCWeights(fn.double(), scale.double(), base.double())
+    want = rms_norm(hc.hc_head(X.double(), w, rms_eps=EPS, hc_eps=EPS), norm.double(), EPS)
+    assert got.shape == (B, d) and got.dtype == torch.float32
+    assert _max_rel(got, want) < 2e-5
+    assert _max_rel(ref.hc_head_fused(X, fn, scale, base, norm, EPS, EPS), want) < 2e-5
+    # the head weights matter: another base moves the output (the test can fail)
+    moved = fused.hc_head_fused(*(t.to(DEVICE) for t in (X, fn, scale, base + 1.0, norm)), EPS, EPS)
+    assert _max_rel(moved, want) > 1e-3
+
+
 @pytest.mark.parametrize("B,S,d", [(1, 4, 64), (3, 3, 1100)])
 def test_hc_post_fused(B: int, S: int, d: int) -> None:
     g = _gen(d)
@@ -407,6 +439,24 @@ def test_router_topk(B: int, E: int, k: int, with_bias: bool) -> None:
     assert torch.equal(tw_ids.long()[clear], want_ids[clear]) and _max_rel(tw_w[clear], want_w[clear]) < 1e-5
 
 
+@pytest.mark.parametrize(("B", "E", "k", "V"), [(1, 16, 6, 50), (5, 256, 6, 300), (2, 8, 1, 9)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_hash(B: int, E: int, k: int, V: int, normalize: bool) -> None:
+    """A hash layer's routing (ids from tid2eid[token]) against the model's moe.route in f64, and its twin."""
+    g = _gen(E + V)
+    logits = torch.randn(B, E, generator=g) * 4
+    tid2eid = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(V)])  # [V, k] long
+    tokens = torch.randint(0, V, (B,), generator=g)
+    ids, w = fused.router_hash(logits.to(DEVICE), tid2eid.to(DEVICE), tokens.to(DEVICE), 2.5, normalize)
+    mw = moe.MoEWeights(torch.eye(E, dtype=torch.float64), None, tid2eid, *([None] * 6))
+    want_w, want_ids = moe.route(mw, logits.double(), tokens, k, 2.5, normalize)
+    assert ids.dtype == torch.int32 and ids.shape == (B, k) and w.shape == (B, k)
+    assert torch.equal(ids.cpu().long(), want_ids)
+    assert _max_rel(w, want_w) < 1e-5
+    tw_ids, tw_w = ref.router_hash(logits, tid2eid, tokens, 2.5, normalize)
+    assert torch.equal(tw_ids.long(), want_ids) and _max_rel(tw_w, want_w) < 1e-5
+
+
 def test_router_ties_pick_lower_id() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, -1.0, 2.0, 0.0]])
     ids, w = fused.router_topk(logits.to(DEVICE), None, 4, 1.0)
@@ -422,6 +472,12 @@ def test_bad_shapes_raise() -> None:
         )
     with pytest.raises(ValueError, match="k must be"):
         fused.router_topk(torch.zeros(1, 4), None, 5, 1.0)
+    with pytest.raises(ValueError, match="fn must be"):
+        fused.hc_head_fused(
+            torch.zeros(1, 4, 8), torch.zeros(24, 32), torch.ones(1), torch.zeros(4), torch.ones(8), EPS, EPS
+        )
+    with pytest.raises(ValueError, match="tokens expected"):
+        fused.router_hash(torch.zeros(2, 8), torch.zeros(5, 3, dtype=torch.long), torch.zeros(3), 1.0)
     with pytest.raises(ValueError, match="nope width"):
         fused.kv_norm_rope_fp8(
             torch.zeros(1, 100), torch.ones(100), torch.zeros(1), rope_inv_freq(8, 1e4), EPS
@@ -453,6 +509,12 @@ def test_decode_wiring_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> No
         bias=torch.randn(E, generator=g).to(DEVICE),
         tid2eid=None,
     )
+    # a hash layer (its ids from tid2eid[token]) and the output head's HC weights
+    hashed = SimpleNamespace(
+        gate_inp=router.gate_inp, bias=None, tid2eid=torch.randint(0, E, (9, 3), generator=g)
+    )
+    hashed.tid2eid, token = hashed.tid2eid.to(DEVICE), torch.tensor([4], device=DEVICE)
+    head = hc.HCWeights(*(t.to(DEVICE) for t in _head_inputs(1, S, d, torch.float32, 8)[1:4]))
     calls = [
         lambda: dec.hc_pre_norm(X, fn, scale, base, norm, 20, EPS, EPS),
         lambda: _joined(dec.hc_pre_branch(X, fn, scale, base, norm, 20, EPS, EPS)),
@@ -461,13 +523,17 @@ def test_decode_wiring_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> No
         lambda: dec.o_post(q, pos, inv, torch.float32),
         lambda: dec.kv_post(kv, kvw, pos, inv, EPS, R),
         lambda: layer.route_decode(router, f, None, 3, 2.5, True),
+        lambda: layer.route_decode(hashed, f, token, 3, 2.5, True),
+        lambda: dec.head_norm(X, head, norm, EPS, EPS),
     ]
     for call in calls:
         torch.manual_seed(0)
         monkeypatch.setattr(dec, "TRITON_FUSED", True)
+        monkeypatch.setattr(dec, "TAIL_FUSED", True)
         new = call()
         torch.manual_seed(0)
         monkeypatch.setattr(dec, "TRITON_FUSED", False)
+        monkeypatch.setattr(dec, "TAIL_FUSED", False)
         old = call()
         new, old = (new, old) if isinstance(new, tuple) else ((new,), (old,))
         for a, b in zip(new, old, strict=True):
@@ -491,3 +557,9 @@ def test_flash_shapes_cuda(B: int) -> None:
     test_o_unrope(B, 64, 512, 64, torch.bfloat16)
     test_kv_norm_rope_fp8(B, 512, 64)
     test_router_topk(B, 256, 6, True)
+    test_router_hash(B, 256, 6, 129280, True)
+    X, fn, scale, base, norm = _head_inputs(B, 4, 4096, torch.float32, seed=B)
+    got = fused.hc_head_fused(*(t.to(DEVICE) for t in (X, fn, scale, base, norm)), EPS, EPS)
+    w = hc.HCWeights(fn.double(), scale.double(), base.double())
+    want = rms_norm(hc.hc_head(X.double(), w, rms_eps=EPS, hc_eps=EPS), norm.double(), EPS)
+    assert _max_rel(got, want) < 2e-5

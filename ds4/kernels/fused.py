@@ -165,32 +165,14 @@ def _q8k_row(xv, q_ptr, dq_ptr, qplane, D, TERMS: tl.constexpr, PTX: tl.constexp
 
 
 @triton.jit
-def _hc_pre_finish(
-    x_ptr, pmix_ptr, pss_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
-    S, D, NS, iters, rms_eps, hc_eps,
-    HAS_NORM: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BNS: tl.constexpr,
-    ONE_PASS: tl.constexpr, SINKHORN: tl.constexpr,
-    q_ptr=None, dq_ptr=None, qplane=0, QUANT: tl.constexpr = 0, PTX: tl.constexpr = False,
+def _hc_post_comb(
+    pmix_ptr, base_ptr, post_ptr, comb_ptr, b, rs, s1, s2, S, NS, iters, hc_eps,
+    BM: tl.constexpr, BS: tl.constexpr, BNS: tl.constexpr, SINKHORN: tl.constexpr,
 ):  # fmt: skip
-    """One program per row b: mixing logits -> pre, post, comb (Sinkhorn in registers), x = sum pre X.
-    ONE_PASS (BD >= D): the row as one tile, see HC_FINISH_BD. SINKHORN off: comb_ptr gets the combine
-    logits, for ds4.kernels.hc.sinkhorn (see hc_pre_fused). QUANT (ONE_PASS, D % 256 == 0): x's Q8_K
-    planes (intq.q8k_block, QUANT terms, PTX as its) into q [QUANT, B, D] (qplane apart), dq [B, D/256]."""
-    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
-    b = tl.program_id(0)
-    K = S * D
-    n = tl.arange(0, BNS)
-    ss = tl.zeros([BNS], tl.float32)
-    for n0 in range(0, NS, BNS):
-        ss += tl.load(pss_ptr + b * NS + n0 + n, mask=(n0 + n) < NS, other=0.0)
-    rs = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + rms_eps)
+    """_hc_pre_finish's post [S] and comb [S, S] of row b (rs its RMS factor, s1 / s2 the post / comb
+    scales): the combine logits normalised by Sinkhorn in registers, or left as logits (SINKHORN off)."""
     i = tl.arange(0, BS)
     im = i < S
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    pre_raw = _sum_partials(pmix_ptr, b, NS, BM, i, im, BNS) * rs
-    pre = tl.sigmoid(pre_raw * s0 + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
     post_raw = _sum_partials(pmix_ptr, b, NS, BM, S + i, im, BNS) * rs
     post = 2.0 * tl.sigmoid(post_raw * s1 + tl.load(base_ptr + S + i, mask=im, other=0.0))
     tl.store(post_ptr + b * S + i, post, mask=im)
@@ -206,6 +188,41 @@ def _hc_pre_finish(
     if SINKHORN:
         logit = sinkhorn_tile(logit, r, m, S, iters, hc_eps)
     tl.store(comb_ptr + b * S * S + r * S + c, logit, mask=m)
+
+
+@triton.jit
+def _hc_pre_finish(
+    x_ptr, pmix_ptr, pss_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
+    S, D, NS, iters, rms_eps, hc_eps,
+    HAS_NORM: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BNS: tl.constexpr,
+    ONE_PASS: tl.constexpr, SINKHORN: tl.constexpr,
+    q_ptr=None, dq_ptr=None, qplane=0, QUANT: tl.constexpr = 0, PTX: tl.constexpr = False,
+    HEAD: tl.constexpr = False,
+):  # fmt: skip
+    """One program per row b: mixing logits -> pre, post, comb (Sinkhorn in registers), x = sum pre X.
+    ONE_PASS (BD >= D): the row as one tile, see HC_FINISH_BD. SINKHORN off: comb_ptr gets the combine
+    logits, for ds4.kernels.hc.sinkhorn (see hc_pre_fused). QUANT (ONE_PASS, D % 256 == 0): x's Q8_K
+    planes (intq.q8k_block, QUANT terms, PTX as its) into q [QUANT, B, D] (qplane apart), dq [B, D/256].
+    HEAD: the output head's collapse (hc_head_fused): S mixing logits and one scale, no post / comb."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    b = tl.program_id(0)
+    K = S * D
+    n = tl.arange(0, BNS)
+    ss = tl.zeros([BNS], tl.float32)
+    for n0 in range(0, NS, BNS):
+        ss += tl.load(pss_ptr + b * NS + n0 + n, mask=(n0 + n) < NS, other=0.0)
+    rs = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + rms_eps)
+    i = tl.arange(0, BS)
+    im = i < S
+    s0 = tl.load(scale_ptr)
+    if not HEAD:  # (the loads where they always were: the same build as before HEAD)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+    pre_raw = _sum_partials(pmix_ptr, b, NS, BM, i, im, BNS) * rs
+    pre = tl.sigmoid(pre_raw * s0 + tl.load(base_ptr + i, mask=im, other=0.0)) + hc_eps
+    if not HEAD:
+        _hc_post_comb(pmix_ptr, base_ptr, post_ptr, comb_ptr, b, rs, s1, s2, S, NS, iters, hc_eps,
+                      BM, BS, BNS, SINKHORN)  # fmt: skip
     # weighted sum of the unnormalised streams (+ the sublayer RMSNorm)
     dd = tl.arange(0, BD)
     if ONE_PASS:  # the whole row in one tile: the norm from registers
@@ -418,12 +435,10 @@ def hc_pre_fused(
         pmix, pss = mix
         _check(pmix.shape[:2] == pss.shape and pmix.shape[0] == B, "hc_pre_fused: mix partials' shapes")
     BM, NS = pmix.shape[2], pss.shape[1]
-    BD = triton.next_power_of_2(d) if d <= HC_FINISH_BD else min(1024, HC_FINISH_BD)
+    BD, warps, BNS = _finish_tile(d, NS, rows)
     x = torch.empty(B, d, device=X.device, dtype=torch.float32)
     post = torch.empty(B, S, device=X.device, dtype=torch.float32)
     comb = torch.empty(B, S, S, device=X.device, dtype=torch.float32)
-    warps = (rows and HC_FINISH_ROWS_WARPS) or HC_FINISH_WARPS or (16 if BD >= 4096 else 4)
-    BNS = min(max(1, HC_FINISH_BNS), triton.next_power_of_2(NS))
     if B and S == 4 and BD >= d and HC_FINISH_SCALAR and sinkhorn:
         logits = torch.empty(B, BM, device=X.device, dtype=torch.float32)  # the row's mixing logits
         _hc_pre_finish4[(B,)](
@@ -446,6 +461,41 @@ def hc_pre_fused(
         if not inline:
             _quant_into(x, quant_out)
     return x, post, comb
+
+
+def _finish_tile(d: int, NS: int, rows: bool) -> tuple[int, int, int]:
+    """(BD, warps, BNS) of the HC finish kernel for rows of d over NS mixing splits (HC_FINISH_*)."""
+    BD = triton.next_power_of_2(d) if d <= HC_FINISH_BD else min(1024, HC_FINISH_BD)
+    warps = (rows and HC_FINISH_ROWS_WARPS) or HC_FINISH_WARPS or (16 if BD >= 4096 else 4)
+    return BD, warps, min(max(1, HC_FINISH_BNS), triton.next_power_of_2(NS))
+
+
+def hc_head_fused(
+    X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
+    rms_eps: float, hc_eps: float,
+) -> torch.Tensor:  # fmt: skip
+    """The output head's HC collapse and output norm: X [B, S, d], fn [S, S*d], scale [1], base [S], norm [d]
+    -> rms_norm(ds4.model.hc.hc_head(X), norm) [B, d] f32, in 2 launches (the mixing partials, then
+    _hc_pre_finish's HEAD form) instead of ~18 torch kernels at the end of every decode step."""
+    _check(X.ndim == 3, f"hc_head_fused: X must be [B, S, d], got {tuple(X.shape)}")
+    B, S, d = X.shape
+    _check(tuple(fn.shape) == (S, S * d), f"hc_head_fused: fn must be {(S, S * d)}, got {tuple(fn.shape)}")
+    _check(scale.numel() >= 1 and base.numel() == S and norm.numel() == d, "hc_head_fused: scale, base, norm")
+    if not _use_triton(X):
+        return ref.hc_head_fused(X, fn, scale, base, norm, rms_eps, hc_eps)
+    X = X.contiguous()
+    rows = 0 < HC_ROWS_MIN <= B
+    pmix, pss = _mix_partials(X, fn, S, rows)
+    BD, warps, BNS = _finish_tile(d, pss.shape[1], rows)
+    x = torch.empty(B, d, device=X.device, dtype=torch.float32)
+    if B:
+        _hc_pre_finish[(B,)](
+            X, pmix, pss, scale.float().contiguous(), base.float().contiguous(), norm, x, x, x,
+            S, d, pss.shape[1], 1, float(rms_eps), float(hc_eps),
+            HAS_NORM=True, BM=pmix.shape[2], BS=triton.next_power_of_2(S), BD=BD, BNS=BNS, ONE_PASS=BD >= d,
+            SINKHORN=False, HEAD=True, launch_pdl=PDL, num_warps=warps,
+        )  # fmt: skip
+    return x
 
 
 def _quant_into(x: torch.Tensor, quant_out: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -833,6 +883,15 @@ def qk_norm_rope_fp8(q, kv, kv_weight, pos, inv_freq, eps: float) -> tuple[torch
 
 
 @triton.jit
+def _sqrt_softplus(lg):
+    """sqrt(softplus(lg)), the router's probabilities (torch softplus: linear past 20)."""
+    ex = tl.exp(lg)
+    u = 1.0 + ex
+    log1p = tl.where(u == 1.0, ex, tl.log(u) * (ex / (u - 1.0)))  # accurate log1p(ex) (Goldberg's trick)
+    return tl.sqrt_rn(tl.where(lg > 20.0, lg, log1p))
+
+
+@triton.jit
 def _router_kernel(
     logit_ptr, bias_ptr, ids_ptr, w_ptr, E, scale,
     HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
@@ -841,11 +900,7 @@ def _router_kernel(
     b = tl.program_id(0)
     e = tl.arange(0, BE)
     em = e < E
-    lg = tl.load(logit_ptr + b * E + e, mask=em, other=0.0).to(tl.float32)
-    ex = tl.exp(lg)
-    u = 1.0 + ex
-    log1p = tl.where(u == 1.0, ex, tl.log(u) * (ex / (u - 1.0)))  # accurate log1p(ex) (Goldberg's trick)
-    prob = tl.sqrt_rn(tl.where(lg > 20.0, lg, log1p))  # torch softplus: threshold 20
+    prob = _sqrt_softplus(tl.load(logit_ptr + b * E + e, mask=em, other=0.0).to(tl.float32))
     sel = prob
     if HAS_BIAS:
         sel = sel + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
@@ -860,10 +915,35 @@ def _router_kernel(
         ids = tl.where(kk == j, pick, ids)
         wts = tl.where(kk == j, tl.sum(tl.where(e == pick, prob, 0.0), axis=0), wts)
         sel = tl.where(e == pick, float("-inf"), sel)
-    if NORMALIZE:
+    _store_route(ids_ptr, w_ptr, b, ids, wts, scale, kk, K, NORMALIZE)
+
+
+@triton.jit
+def _store_route(ids_ptr, w_ptr, b, ids, wts, scale, kk, K: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Row b's ids [BK] and weights [BK] (normalised by their sum if NORMALIZE, times scale), first K."""
+    if NORMALIZE:  # (wts is 0 past K)
         wts = wts / tl.sum(wts, axis=0)
     tl.store(ids_ptr + b * K + kk, ids, mask=kk < K)
     tl.store(w_ptr + b * K + kk, wts * scale, mask=kk < K)
+
+
+@triton.jit
+def _router_hash_kernel(
+    logit_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, V, scale,
+    NORMALIZE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """A hash layer's routing of row b: ids = tid2eid[token[b]] (tid [V, K]), weights = the sqrt(softplus)
+    probabilities of those experts' logits (normalised, times scale). Out-of-range tokens / ids are clamped
+    (the gathers stay in bounds; model tables never hold them)."""
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    b = tl.program_id(0)
+    kk = tl.arange(0, BK)
+    km = kk < K
+    t = tl.minimum(tl.maximum(tl.load(tok_ptr + b).to(tl.int64), 0), V - 1)
+    ids = tl.load(tid_ptr + t * K + kk, mask=km, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), E - 1).to(tl.int32)
+    prob = _sqrt_softplus(tl.load(logit_ptr + b * E + ids, mask=km, other=0.0).to(tl.float32))
+    _store_route(ids_ptr, w_ptr, b, ids, tl.where(km, prob, 0.0), scale, kk, K, NORMALIZE)
 
 
 def router_topk(
@@ -887,7 +967,29 @@ def router_topk(
     return ids, wts
 
 
+def router_hash(
+    logits: torch.Tensor, tid2eid: torch.Tensor, tokens: torch.Tensor, scale: float, normalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hash layer's router (ds4.model.moe.route with tid2eid): logits [B, E], tid2eid [V, k] (integers),
+    tokens [B] -> (ids [B, k] int32, weights [B, k] f32). One launch instead of ~8 torch kernels."""
+    _check(logits.ndim == 2 and tid2eid.ndim == 2, "router_hash: logits [B, E] and tid2eid [V, k] expected")
+    B, E = logits.shape
+    V, k = tid2eid.shape
+    _check(tokens.numel() == B, f"router_hash: {B} tokens expected, got {tokens.numel()}")
+    if not _use_triton(logits):
+        return ref.router_hash(logits, tid2eid, tokens, scale, normalize)
+    ids = torch.empty(B, k, device=logits.device, dtype=torch.int32)
+    wts = torch.empty(B, k, device=logits.device, dtype=torch.float32)
+    if B:
+        _router_hash_kernel[(B,)](
+            logits.contiguous(), tid2eid.contiguous(), tokens.contiguous(), ids, wts, E, V, float(scale),
+            NORMALIZE=normalize, K=k, BK=triton.next_power_of_2(k), num_warps=1, launch_pdl=PDL,
+        )  # fmt: skip
+    return ids, wts
+
+
 __all__ = [
+    "hc_head_fused",
     "hc_pre_fused",
     "hc_post_mix",
     "hc_post_fused",
@@ -895,5 +997,6 @@ __all__ = [
     "kv_norm_rope_fp8",
     "qa_kv_norm_rope_fp8",
     "qk_norm_rope_fp8",
+    "router_hash",
     "router_topk",
 ]

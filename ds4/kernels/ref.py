@@ -383,6 +383,25 @@ def router_topk(logits, bias, k: int, scale: float, normalize: bool = True):
     return ids.to(torch.int32), w * scale
 
 
+def router_hash(logits, tid2eid, tokens, scale: float, normalize: bool = True):
+    """(ids [B, k] int32, weights [B, k]) of a hash layer: ids = tid2eid[tokens], weights their sqrt(softplus)
+    probabilities (normalised, times scale)."""
+    ids = tid2eid[tokens.long()].long()
+    w = torch.nn.functional.softplus(logits.float()).sqrt().gather(1, ids)
+    if normalize:
+        w = w / w.sum(-1, keepdim=True)
+    return ids.to(torch.int32), w * scale
+
+
+def hc_head_fused(X, fn, scale, base, norm, rms_eps: float, hc_eps: float):
+    """The output head's HC collapse then its RMSNorm: X [B, S, d] -> [B, d] f32 (ds4.model.hc.hc_head, then
+    ds4.model.norm.rms_norm with `norm`)."""
+    flat = X.float().flatten(1)
+    mix = (flat @ fn.float().T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)  # [B, S]
+    pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+    return _rms((pre[:, :, None] * X.float()).sum(1), rms_eps) * norm.float()
+
+
 # =========================================================================================================
 # Half-precision side matrices: hmatvec (matvec.py). Legend: B rows, N output rows, K row length.
 

@@ -418,7 +418,7 @@ def _capture_fused(sink: list) -> None:
     fused._use_triton = lambda t: True
     for attr in ("_hc_mix_partial", "_hc_mix_rows", "_hc_pre_finish", "_hc_post_kernel",
                  "_q_norm_rope_kernel", "_o_unrope_kernel", "_kv_norm_rope_fp8_kernel",
-                 "_router_kernel"):  # fmt: skip
+                 "_router_kernel", "_router_hash_kernel"):  # fmt: skip
         setattr(fused, attr, _Capture(getattr(fused, attr), sink))
     S, d, H, D, R, E = 4, 4096, 64, 512, 64, 256
     M, pos, inv = (2 + S) * S, torch.zeros(1, dtype=torch.long), torch.rand(R // 2)
@@ -436,6 +436,11 @@ def _capture_fused(sink: list) -> None:
     fused.kv_norm_rope_fp8(torch.randn(1, D), torch.ones(D), pos, inv, 1e-6)
     for bias in (None, torch.zeros(E)):
         fused.router_topk(torch.randn(1, E), bias, 6, 2.5)
+    tid2eid = torch.zeros(129280, 6, dtype=torch.long)
+    fused.router_hash(torch.randn(1, E), tid2eid, torch.zeros(1, dtype=torch.long), 2.5)
+    for B in (1, 32):  # the output head's collapse + norm (the head's fn is f32)
+        fused.hc_head_fused(torch.randn(B, S, d), torch.zeros(S, S * d), torch.ones(1), torch.zeros(S),
+                            torch.ones(d), 1e-6, 1e-6)  # fmt: skip
 
 
 def _capture_launched(mod, sink: list) -> None:

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from ds4.model.cuda.streams import Branch
-from ds4.model.hc import sinkhorn
+from ds4.model.hc import HCWeights, hc_head, sinkhorn
 
 try:
     from ds4.kernels.hc import sinkhorn as _sinkhorn  # Triton on CUDA, the torch reference elsewhere
@@ -280,6 +280,31 @@ def indexer_q_post(qi, pos, inv_freq):
 @fuse
 def _indexer_q_post(qi, pos, inv_freq):
     return indexer_qat(rope_real(qi, pos, inv_freq))
+
+
+# The decode step's two torch chains outside the layers' kernels as Triton launches (ds4.kernels.fused): the
+# output head's HC collapse + output norm (hc_head_fused: 2 launches for ~18 torch kernels a step) and the
+# hash layers' routing (router_hash: 1 for ~8, 3 layers on Flash). ~40 launches a step fewer, each of them
+# a plain torch kernel that ends the PDL chain (dispatch.PDL) around it: the replayed 4k step's timeline
+# (tools/gpu/graph_timeline.py, session 21) charged the torch kernels ~125 us of its 7,310. Built in
+# session 22 without a GPU (interpreter tests, sm_90 builds): off until timed on the H200
+# (tools/gpu/ab_decode.py "tail fused"); env DS4_TAIL_FUSED=1: on.
+TAIL_FUSED = os.environ.get("DS4_TAIL_FUSED", "0") == "1"
+
+
+def head_norm(X, w: HCWeights, norm, rms_eps: float, hc_eps: float):
+    """The output head's input: rms_norm(hc_head(X), norm), X [B, S, d] -> [B, d] f32."""
+    if TRITON_FUSED and TAIL_FUSED:
+        return _kf.hc_head_fused(X, w.fn, w.scale, w.base, norm, rms_eps, hc_eps)
+    return rms_norm(hc_head(X, w, rms_eps=rms_eps, hc_eps=hc_eps), norm, rms_eps)
+
+
+def router_hash(logits, tid2eid, tokens, scale: float, normalize: bool):
+    """(ids [B, k] int32, weights [B, k]) of a hash layer (ds4.kernels.fused.router_hash), or None where
+    TAIL_FUSED is off (the caller's torch path)."""
+    if not (TRITON_FUSED and TAIL_FUSED):
+        return None
+    return _kf.router_hash(logits, tid2eid, tokens, scale, normalize)
 
 
 def router_topk(logits, bias, k: int, scale: float, normalize: bool):

@@ -430,6 +430,9 @@ def route_decode(w, xf, token, k: int, scale: float, normalize: bool, side: Side
     if fused.TRITON_FUSED and w.tid2eid is None:  # one kernel: probs, biased top-k, normalised weights
         ids, weights = fused.router_topk(logits, w.bias, k, scale, normalize)
         return weights, ids
+    hashed = fused.router_hash(logits, w.tid2eid, token, scale, normalize) if w.tid2eid is not None else None
+    if hashed is not None:  # one kernel: the token's experts and their normalised weights
+        return hashed[1], hashed[0]
     probs = torch.sqrt(F.softplus(logits))  # [1, E]
     if w.tid2eid is not None:
         ids = w.tid2eid[token]  # [1, k]

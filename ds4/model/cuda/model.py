@@ -28,8 +28,7 @@ from ds4.model.cuda.batch import decode_layer_batch
 from ds4.model.cuda.layer import SideMatrices, hmatvec, lin, prefill_layer, qmatvec, step_memo
 from ds4.model.cuda.state import DeviceKVState, KVPool
 from ds4.model.cuda.weights import QLinear, RawSource, WeightStore
-from ds4.model.hc import HCWeights, hc_head
-from ds4.model.norm import rms_norm
+from ds4.model.hc import HCWeights
 from ds4.model.state import KVState
 
 # Tokens per prefill chunk. Each chunk runs all layers and dequantizes every routed expert it uses (~180 ms a
@@ -120,6 +119,9 @@ class CudaModel:
         )
         self.output_norm = get("output_norm.weight")
         self.output = get("output.weight")  # [V, d]
+        # the single state is slot 0 of a one-slot pool for the decode kernels: one zero, made once (not a
+        # fill kernel in every replayed step)
+        self._slot0 = torch.zeros(1, dtype=torch.long, device=self.device)
         self._pool = None  # one memory pool shared by every captured decode graph
         self._pool_graphs: weakref.WeakSet = weakref.WeakSet()  # the live graphs captured into it
 
@@ -201,8 +203,8 @@ class CudaModel:
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Output head: HC collapse, output_norm, vocabulary projection. X [T, S, d] -> [T, V]."""
-        h = hc_head(X, self.head_hc, rms_eps=self.cfg.rms_eps, hc_eps=self.cfg.hc_eps)
-        return lin(rms_norm(h, self.output_norm, self.cfg.rms_eps), self.output)
+        h = fused.head_norm(X, self.head_hc, self.output_norm, self.cfg.rms_eps, self.cfg.hc_eps)
+        return lin(h, self.output)
 
     def decode_step(
         self, state: DeviceKVState, token: torch.Tensor, pos: torch.Tensor, bound: int | None = None
@@ -210,9 +212,8 @@ class CudaModel:
         """The graph body: token [1], pos [1] device tensors -> logits [1, V]; mutates state's buffers.
         bound: pos < bound (tokens), or None (ctx_bound)."""
         X = self._embed(token)
-        slot = torch.zeros_like(pos)  # the single state is slot 0 of a one-slot pool for the decode kernels
         with step_memo():
-            X = self._decode_layers(X, [kv.as_pool() for kv in state.layers], token, pos, slot, bound)
+            X = self._decode_layers(X, [kv.as_pool() for kv in state.layers], token, pos, self._slot0, bound)
         return self.logits(X)
 
     def _decode_layers(self, X, kvs, token, pos, slot, bound):
