@@ -242,6 +242,27 @@ def test_cuda_hc_comb_on_side_lane(official_gguf, monkeypatch):
 
 
 @pytest.mark.cuda
+def test_cuda_tail_fused_matches_torch_tail(official_gguf, monkeypatch):
+    """The output head's HC collapse + norm and the hash layers' routing as Triton launches
+    (cfused.TAIL_FUSED) vs the torch chains: the same math in another summation order, so the same greedy
+    tokens and logits within 1e-3 of their scale; prefill (the head at the last row) too."""
+    from ds4.model.cuda import fused as cfused
+
+    model = _cached_cuda(official_gguf)
+    assert any(blk.w.moe.tid2eid is not None for blk in model.layers)  # hash layers are exercised
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(cfused, "TAIL_FUSED", on)
+        st = model.new_state(96)
+        first = model.forward(st, list(range(100, 150))).float()
+        toks = model.decode_greedy(st, 7, 8).tolist()
+        out[on] = (toks, st._runner.logits.clone().float(), first)
+    assert out[True][0] == out[False][0]
+    for a, b in ((out[True][1], out[False][1]), (out[True][2], out[False][2])):
+        assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max())
+
+
+@pytest.mark.cuda
 def test_cuda_ctx_bucket_graphs_change_no_bit(official_gguf, monkeypatch):
     """Decode graphs per context bucket (model.CTX_BUCKETS, buckets of 32 tokens up for the tiny model):
     greedy decode across two bucket boundaries replays one graph per bucket and equals the single graph
