@@ -299,6 +299,40 @@ def test_kernel_dispatch_path_batch_equals_alone(monkeypatch):
     assert not layer.lin(x, wrong).any()
 
 
+def test_merged_rows_read_by_one_launch_up_to_merged_rows(monkeypatch):
+    """layer.MERGED_ROWS: a batched step of 12 rows (> DECODE_ROWS) reads q_a + kv and the shared expert's
+    gate + up through their merged packed matrices (one qmatvec each) when it allows 12 rows, one matvec
+    per matrix otherwise; the logits agree within float32 noise (kernels=True on the CPU: the twins)."""
+    from ds4.model.cuda import layer
+
+    pytest.importorskip("gguf", reason="building the tiny model file needs gguf (absent on the GPU machine)")
+    from ds4.tools.make_model import ensure_tiny_model
+
+    m = _model(ensure_tiny_model(), kernels=True)
+    sides = [blk.side for blk in m.layers]
+    assert all(sd is not None and sd.qa_kv is not None and sd.shared_gu is not None for sd in sides)
+    merged = {id(w) for sd in sides for w in (sd.qa_kv, sd.shared_gu)}
+    pool = m.new_states(12, 40)
+    for i, st in enumerate(pool):
+        m.forward(st, [(j * 7919 + i) % m.cfg.n_vocab for j in range(5 + i)])
+    base = [st.clone() for st in pool]
+    seen: list[int] = []
+    real = layer.qmatvec
+    monkeypatch.setattr(layer, "qmatvec", lambda x, w, *a: (seen.append(id(w)), real(x, w, *a))[1])
+    out = {}
+    for rows in (layer.DECODE_ROWS, 64):
+        monkeypatch.setattr(layer, "MERGED_ROWS", rows)
+        for st, b in zip(pool, base, strict=True):
+            st.copy_from(b)
+        pool[0].pool.runner = None  # a new step under the switch in force
+        seen.clear()
+        out[rows] = m.decode_batch(pool, [3 + i for i in range(12)])
+        out[rows, "merged"] = sum(w in merged for w in seen)
+    assert out[layer.DECODE_ROWS, "merged"] == 0
+    assert out[64, "merged"] == 2 * m.cfg.n_layer  # q_a + kv and gate + up, every layer
+    torch.testing.assert_close(out[64], out[layer.DECODE_ROWS], atol=LOGIT_TOL, rtol=0)
+
+
 def test_one_session_through_the_bucket_1_step(tiny_model, monkeypatch):
     """decode_batch of one session: the single-state graph by default, the pool's bucket 1 with
     BATCH1_SINGLE off; both equal forward(state, [tok])."""

@@ -183,6 +183,7 @@ def _variants() -> dict[str, dict]:
         "rows no narrow": {(matvec, "Q8_ROWS_NARROW"): None},
         "rows int8 + mv1 int8": {**_rows_int8(matvec), (matvec, "Q8_MV1"): _mv1_int8(matvec)},
         "tail fused": {(cfused, "TAIL_FUSED"): True},  # the head's HC + norm, hash routing as Triton launches
+        "merged rows 64": {(layer, "MERGED_ROWS"): 64},  # q_a + kv, gate + up: one q8_rows launch each
     }
 
 
@@ -211,7 +212,7 @@ def time_variants(names: list[str], batches: list[int], ctx: int, steps: int, ro
             saved = {key: getattr(*key) for key in table[name]}
             for (mod, attr), value in table[name].items():
                 setattr(mod, attr, value)
-            kv.runner = None  # recapture the bucket graphs with the switches in force
+            _drop_graphs(kv, pool)  # recapture the graphs with the switches in force
             for B in batches:
                 for rep in range(2):  # rep 0: warm-up / capture
                     for st in pool[:B]:
@@ -226,12 +227,20 @@ def time_variants(names: list[str], batches: list[int], ctx: int, steps: int, ro
                         times.setdefault((name, B), []).append((time.perf_counter() - t0) / steps)
             for (mod, attr), value in saved.items():
                 setattr(mod, attr, value)
-            kv.runner = None
+            _drop_graphs(kv, pool)
     print(f"(b) variants at {ctx} ctx, median of {rounds} x {steps} steps:")
     for (name, B), ts in times.items():
         med = sorted(ts)[len(ts) // 2]
         ratio = med / sorted(times[("default", B)])[rounds // 2] if ("default", B) in times else 1.0
         print(f"    {name:22s} B={B:3d} {1e3 * med:8.2f} ms  {B / med:8.1f} tok/s  x{1 / ratio:.3f}")
+
+
+def _drop_graphs(kv, pool) -> None:
+    """Drop the pool's bucket graphs and each session's single-state graph (B = 1 takes that one: model
+    BATCH1_SINGLE), so that the next steps capture them anew."""
+    kv.runner = None
+    for st in pool:
+        st._runner = None
 
 
 def time_batches(batches: list[int], ctx: int, steps: int, repeats: int, plain: bool = False) -> None:

@@ -5,7 +5,9 @@
 #           without a GPU): its GPU tests (the kernels at Flash shapes, the official model against the torch
 #           tail), the whole model at 4k with it (ab_decode "tail fused", 3 rounds), then the ds4-bench
 #           sweep 2k / 64k at the defaults of session 21 (split-K target 528, the 8-bit wide select), and
-#           the B = 1 / 32 steps with the tail fused (batch_check --variants).
+#           the B = 1 / 16 / 32 steps with the tail fused and with the merged q_a + kv / gate + up matrices
+#           read by one q8_rows launch up to 64 rows (layer.MERGED_ROWS, off; batch_check --variants, which
+#           now recaptures the B = 1 graph per variant too).
 #   part b: decode deep in the context (128k / 256k / 1M) with the sort past 20,480 rows (the default) and
 #           with the 8-bit wide select there too (DS4_INDEXER_WIDE_MAX=262144), at 16 and 64 programs a row:
 #           whether layer.INDEXER_WIDE_MAX can rise now.
@@ -19,8 +21,8 @@ if [ "$1" = a ]; then
   TAIL=8 run ab 150 python3 tools/gpu/ab_decode.py --rounds 3 --variants "tail fused"
   TAIL=6 run sweep 150 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
     --step-mul 32 -n 64
-  TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --variants "tail fused" --batches 1,32 \
-    --ctx 8192 --steps 16
+  TAIL=12 run steps "$(left)" python3 tools/gpu/batch_check.py --variants "tail fused,merged rows 64" \
+    --batches 1,16,32 --ctx 8192 --steps 16
 fi
 if [ "$1" = b ]; then
   AT="--synthetic flash-q2 --decode-at 131072,262144,1048576 -n 32"

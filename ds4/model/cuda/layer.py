@@ -69,6 +69,14 @@ SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key tem
 
 
 DECODE_ROWS = 8  # activation rows up to which a QLinear uses the packed matvec kernel
+# Activation rows up to which the merged packed matrices of one input (SideMatrices.qa_kv: q_a + kv;
+# shared_gu: the shared expert's gate + up) are read by one launch instead of one each; they are read only
+# where the rows read packed blocks (reads_packed) at all. DECODE_ROWS: the batch-1 matvec and the small
+# tiles; up to BATCH_QROWS (64) the batched steps' q8_rows too (86 launches a step fewer, larger grids:
+# the q_a + kv row tiles and their k-splits are the separate launches', so those sums are the same; gate +
+# up may split k fewer times). Built in session 22 without a GPU: not yet timed (tools/gpu/batch_check.py
+# --variants "merged rows 64"). Env DS4_MERGED_ROWS; read when a step is built: recapture after changing.
+MERGED_ROWS = int(os.environ.get("DS4_MERGED_ROWS", str(DECODE_ROWS)))
 # Rows (above DECODE_ROWS) up to which a QLinear still reads its packed Q8_0 blocks with f32 activations
 # (matvec.q8_rows: tensor cores, f32-accurate) instead of its dense bf16 copy (prefill's GEMMs): batched
 # decode steps of many sessions. The bf16 copy rounds weights and activations to bf16, which put batched
@@ -92,6 +100,11 @@ def lin_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if tc and x.dtype == w.dtype == torch.float32:
         return linear_f32(x, w)
     return F.linear(x, w)
+
+
+def reads_merged(rows: int) -> bool:
+    """Whether `rows` activation rows read a merged packed matrix by one launch (MERGED_ROWS)."""
+    return rows <= MERGED_ROWS and reads_packed(rows)
 
 
 def reads_packed(rows: int) -> bool:
@@ -304,7 +317,7 @@ def attention_decode_pool(
     if r:
         chain = functools.partial(_compress_rows, w, shape, kv, xn, slot, pos, inv_freq, side)
         rows = Branch(xn.device, chain, lane=3) if COMP_SIDE else Branch.ready(chain())
-    if side is not None and side.qa_kv is not None and xn.shape[0] <= DECODE_ROWS:
+    if side is not None and side.qa_kv is not None and reads_merged(xn.shape[0]):
         qa, kv_raw = qmatvec(xn, side.qa_kv).split([w.q_a_norm.numel(), D], dim=1)
     else:
         qa, kv_raw = lin(xn, w.q_a), lin(xn, w.kv)
@@ -447,7 +460,7 @@ def route_decode(w, xf, token, k: int, scale: float, normalize: bool, side: Side
 def shared_gate_up(xf, m, side: SideMatrices | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up) projections [B, F] of the shared expert: one qmatvec over the merged rows when the layer
     has them (decode-sized B), else one matvec / GEMM each."""
-    if side is not None and side.shared_gu is not None and xf.shape[0] <= DECODE_ROWS:
+    if side is not None and side.shared_gu is not None and reads_merged(xf.shape[0]):
         g, u = qmatvec(xf, side.shared_gu).chunk(2, dim=1)
         return g, u
     return lin(xf, m.gate_sh), lin(xf, m.up_sh)
