@@ -480,7 +480,8 @@ def hc_head_fused(
     _check(X.ndim == 3, f"hc_head_fused: X must be [B, S, d], got {tuple(X.shape)}")
     B, S, d = X.shape
     _check(tuple(fn.shape) == (S, S * d), f"hc_head_fused: fn must be {(S, S * d)}, got {tuple(fn.shape)}")
-    _check(scale.numel() >= 1 and base.numel() == S and norm.numel() == d, "hc_head_fused: scale, base, norm")
+    ok = scale.numel() == 1 and base.numel() == S and norm.numel() == d
+    _check(ok, f"hc_head_fused: scale [1], base [{S}], norm [{d}] expected")
     if not _use_triton(X):
         return ref.hc_head_fused(X, fn, scale, base, norm, rms_eps, hc_eps)
     X = X.contiguous()
