@@ -947,6 +947,15 @@ def _router_hash_kernel(
     _store_route(ids_ptr, w_ptr, b, ids, tl.where(km, prob, 0.0), scale, kk, K, NORMALIZE)
 
 
+def _route_out(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router kernels' outputs for logits [B, E]: ids [B, k] int32, weights [B, k] f32."""
+    B = logits.shape[0]
+    return (
+        torch.empty(B, k, device=logits.device, dtype=torch.int32),
+        torch.empty(B, k, device=logits.device, dtype=torch.float32),
+    )
+
+
 def router_topk(
     logits: torch.Tensor, bias: torch.Tensor | None, k: int, scale: float, normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -957,8 +966,7 @@ def router_topk(
     _check(bias is None or bias.numel() == E, f"router_topk: bias must have {E} entries")
     if not _use_triton(logits):
         return ref.router_topk(logits, bias, k, scale, normalize)
-    ids = torch.empty(B, k, device=logits.device, dtype=torch.int32)
-    wts = torch.empty(B, k, device=logits.device, dtype=torch.float32)
+    ids, wts = _route_out(logits, k)
     if B:
         _router_kernel[(B,)](
             logits.contiguous(), bias.contiguous() if bias is not None else logits, ids, wts, E, float(scale),
@@ -979,8 +987,7 @@ def router_hash(
     _check(tokens.numel() == B, f"router_hash: {B} tokens expected, got {tokens.numel()}")
     if not _use_triton(logits):
         return ref.router_hash(logits, tid2eid, tokens, scale, normalize)
-    ids = torch.empty(B, k, device=logits.device, dtype=torch.int32)
-    wts = torch.empty(B, k, device=logits.device, dtype=torch.float32)
+    ids, wts = _route_out(logits, k)
     if B:
         _router_hash_kernel[(B,)](
             logits.contiguous(), tid2eid.contiguous(), tokens.contiguous(), ids, wts, E, V, float(scale),
