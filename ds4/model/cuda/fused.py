@@ -300,10 +300,7 @@ def head_norm(X, w: HCWeights, norm, rms_eps: float, hc_eps: float):
 
 
 def router_hash(logits, tid2eid, tokens, scale: float, normalize: bool):
-    """(ids [B, k] int32, weights [B, k]) of a hash layer (ds4.kernels.fused.router_hash), or None where
-    TAIL_FUSED is off (the caller's torch path)."""
-    if not (TRITON_FUSED and TAIL_FUSED):
-        return None
+    """(ids [B, k] int32, weights [B, k]) of a hash layer (ds4.kernels.fused.router_hash; TAIL_FUSED)."""
     return _kf.router_hash(logits, tid2eid, tokens, scale, normalize)
 
 

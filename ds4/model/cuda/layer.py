@@ -443,9 +443,9 @@ def route_decode(w, xf, token, k: int, scale: float, normalize: bool, side: Side
     if fused.TRITON_FUSED and w.tid2eid is None:  # one kernel: probs, biased top-k, normalised weights
         ids, weights = fused.router_topk(logits, w.bias, k, scale, normalize)
         return weights, ids
-    hashed = fused.router_hash(logits, w.tid2eid, token, scale, normalize) if w.tid2eid is not None else None
-    if hashed is not None:  # one kernel: the token's experts and their normalised weights
-        return hashed[1], hashed[0]
+    if fused.TRITON_FUSED and fused.TAIL_FUSED:  # a hash layer, one kernel: the token's experts, weights
+        ids, weights = fused.router_hash(logits, w.tid2eid, token, scale, normalize)
+        return weights, ids
     probs = torch.sqrt(F.softplus(logits))  # [1, E]
     if w.tid2eid is not None:
         ids = w.tid2eid[token]  # [1, k]
@@ -524,7 +524,7 @@ INDEXER_SELECT = os.environ.get("DS4_INDEXER_SELECT", "1") == "1"
 INDEXER_SELECT_MAX = int(os.environ.get("DS4_INDEXER_SELECT_MAX", "4096"))
 # The rows past INDEXER_SELECT_MAX, up to INDEXER_WIDE_MAX scores (20,480: an 80k allocation; the rows a
 # step ranks are indexer_width's, a session's cap = ctx / 4 + 2 or a power-of-two bucket's), by the select
-# with several programs a row (ds4.kernels.topk.select_rows_wide: 5 launches, the same set in the same order)
+# with several programs a row (ds4.kernels.topk.select_rows_wide: 6 launches, the same set in the same order)
 # instead of the stable sort (~40 us of kernels in ~10 launches a ratio-4 layer at 64k ctx, session 19
 # profile). H200, session 20, wide vs sort: 64k ctx (16,420 rows) 113.49 vs 109.39 tok/s at this default
 # (ab_decode.py "no wide", both rounds alike), ds4-bench --decode-at 107.81 vs 104.91; longer rows lost:
