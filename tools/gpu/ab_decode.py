@@ -98,6 +98,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from ds4.bench import synthetic_model  # noqa: E402
+from ds4.config import FLASH  # noqa: E402
 from ds4.kernels import attend, dispatch, fused, moe, prefetch, topk  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
 from ds4.model.cuda import fused as cfused  # noqa: E402
@@ -229,6 +230,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="", help="comma-separated names of SWITCHES (default: all)")
+    p.add_argument("--layers", type=int, default=FLASH.n_layer, help="the first N layers (H100: ~32)")
     a = p.parse_args()
     picked = [v for v in a.variants.split(",") if v] or list(SWITCHES)
     if unknown := [v for v in picked if v not in SWITCHES]:
@@ -237,8 +239,10 @@ def main() -> int:
         print("ab_decode: needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    model = synthetic_model("q2")
-    print(f"synthetic Flash q2 built in {time.perf_counter() - t0:.1f} s; {torch.cuda.get_device_name()}; "
+    cfg = replace(FLASH, n_layer=a.layers, compress_ratios=FLASH.compress_ratios[: a.layers])
+    model = synthetic_model("q2", cfg=cfg)
+    print(f"synthetic Flash q2, {a.layers} layers, built in {time.perf_counter() - t0:.1f} s; "
+          f"{torch.cuda.get_device_name()}; "
           f"PDL {dispatch.PDL}, PDL_EARLY {dispatch.PDL_EARLY}")  # fmt: skip
     state = model.new_state(a.ctx + 2 * a.tokens + 8)
     vocab = model.cfg.n_vocab

@@ -66,7 +66,7 @@ def set_grouped(on: bool, pool, qrows: int = DEFAULT_QROWS) -> None:
 
 
 def check(batches: list[str], steps: int) -> bool:
-    cfg = replace(FLASH, n_layer=4, compress_ratios=FLASH.compress_ratios[:4])
+    cfg = first_layers(4)
     t0 = time.perf_counter()
     model = synthetic_model("q2", cfg=cfg)
     print(f"(a) 4-layer full-width synthetic Flash q2 built in {time.perf_counter() - t0:.1f} s")
@@ -197,11 +197,18 @@ def _rows_variant(name: str) -> dict:
     return {(matvec, "Q8_ROWS"): rows_cfg(name.split(":", 1)[1].replace("+", ","))}
 
 
-def time_variants(names: list[str], batches: list[int], ctx: int, steps: int, rounds: int) -> None:
-    """Batched steps of the full model per variant (module switches; the bucket graphs recaptured), the
+def first_layers(n: int):
+    """Flash cut to its first n layers (an H100 holds ~32 of the 43 at q2)."""
+    return replace(FLASH, n_layer=n, compress_ratios=FLASH.compress_ratios[:n])
+
+
+def time_variants(
+    names: list[str], batches: list[int], ctx: int, steps: int, rounds: int, layers: int
+) -> None:
+    """Batched steps of the model per variant (module switches; the bucket graphs recaptured), the
     variants taking turns for `rounds` rounds; per (variant, B) the median step ms and tok/s."""
     table = _variants() | {n: _rows_variant(n) for n in names if n.startswith("rows:")}
-    model = synthetic_model("q2")
+    model = synthetic_model("q2", cfg=first_layers(layers))
     V = model.cfg.n_vocab
     pool = model.new_states(max(batches), ctx + steps * (rounds + 2) * len(names) + 8)
     lg = model.forward(pool[0], prompt_tokens(ctx, V, 0))
@@ -340,6 +347,7 @@ def main() -> int:
         "--variants", default="", help="time these switch sets instead (_variants, or rows:field=value+...)"
     )
     p.add_argument("--rounds", type=int, default=2, help="--variants: rounds of turns")
+    p.add_argument("--layers", type=int, default=FLASH.n_layer, help="--variants: the first N layers only")
     a = p.parse_args()
     if a.no_roundtrips:
         if os.environ.get("DS4_TRITON_FUSED") != "0" or os.environ.get("DS4_COMPILE") != "0":
@@ -354,7 +362,7 @@ def main() -> int:
         ok = check(a.check_batches.split(","), a.check_steps)
     if a.variants:
         names = ["default"] + [v for v in a.variants.split(",") if v != "default"]
-        time_variants(names, [int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.rounds)
+        time_variants(names, [int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.rounds, a.layers)
     elif not a.skip_time:
         time_batches([int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.repeats, a.plain)
     print("batch_check:", "all checks ok" if ok else "CHECK FAILED")
