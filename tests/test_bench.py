@@ -242,3 +242,19 @@ def test_sweep_rows_are_medians_of_the_passes(tmp_path, monkeypatch):
     assert [(int(r["ctx_tokens"]), int(r["prefill_tokens"])) for r in rows] == [(16, 16), (28, 12)]
     assert [float(r["prefill_tps"]) for r in rows] == [8.0, 6.0]  # 16 / 2 s, 12 / 2 s
     assert [float(r["gen_tps"]) for r in rows] == [1.5, 1.5]  # 3 tokens / 2 s
+
+
+def test_first_layers_cuts_flash_to_a_prefix():
+    """The cut model plans the tensors of its layers only, with each kept layer's own ratio (an H100 times
+    the first ~32 layers of the q2 model)."""
+    from ds4.bench import first_layers
+    from ds4.config import FLASH
+    from ds4.tools.synthetic import plan
+
+    assert first_layers(None) is FLASH
+    cut = first_layers(5)
+    assert cut.n_layer == 5 and cut.compress_ratios == FLASH.compress_ratios[:5]
+    layers = {int(pt.name.split(".")[1]) for pt in plan(cut, "q2") if pt.name.startswith("blk.")}
+    assert layers == set(range(5))
+    full = {pt.name for pt in plan(FLASH, "q2")}
+    assert {pt.name for pt in plan(cut, "q2")} <= full

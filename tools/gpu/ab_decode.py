@@ -97,7 +97,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from ds4.bench import synthetic_model  # noqa: E402
+from ds4.bench import first_layers, synthetic_model  # noqa: E402
 from ds4.config import FLASH  # noqa: E402
 from ds4.kernels import attend, dispatch, fused, moe, prefetch, topk  # noqa: E402
 from ds4.kernels import matvec as mv  # noqa: E402
@@ -239,8 +239,7 @@ def main() -> int:
         print("ab_decode: needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    cfg = replace(FLASH, n_layer=a.layers, compress_ratios=FLASH.compress_ratios[: a.layers])
-    model = synthetic_model("q2", cfg=cfg)
+    model = synthetic_model("q2", cfg=first_layers(a.layers))
     print(f"synthetic Flash q2, {a.layers} layers, built in {time.perf_counter() - t0:.1f} s; "
           f"{torch.cuda.get_device_name()}; "
           f"PDL {dispatch.PDL}, PDL_EARLY {dispatch.PDL_EARLY}")  # fmt: skip

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from ds4.bench import decode_bytes_per_token, synthetic_model  # noqa: E402
+from ds4.bench import decode_bytes_per_token, first_layers, synthetic_model  # noqa: E402
 from ds4.config import FLASH  # noqa: E402
 from ds4.model.cuda import batch, layer  # noqa: E402
 from ds4.model.cuda.model import BatchRunner  # noqa: E402
@@ -195,11 +195,6 @@ def _rows_variant(name: str) -> dict:
     from ds4.kernels import matvec
 
     return {(matvec, "Q8_ROWS"): rows_cfg(name.split(":", 1)[1].replace("+", ","))}
-
-
-def first_layers(n: int):
-    """Flash cut to its first n layers (an H100 holds ~32 of the 43 at q2)."""
-    return replace(FLASH, n_layer=n, compress_ratios=FLASH.compress_ratios[:n])
 
 
 def time_variants(

@@ -174,19 +174,20 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ds4.bench import synthetic_model
+    from ds4.bench import first_layers, synthetic_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--batch", type=int, default=1, help="> 1: the batched step of that many sessions")
+    p.add_argument("--layers", type=int, default=None, help="the first N layers of Flash (H100: ~32)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("graph_timeline: needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    model = synthetic_model("q2")
+    model = synthetic_model("q2", cfg=first_layers(a.layers))
     alloc = a.ctx + a.steps + 16
     pool = model.new_states(a.batch, alloc) if a.batch > 1 else [model.new_state(alloc)]
     V = model.cfg.n_vocab

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 23's device call on an H100 (the H200 did not come): what does not need the whole model.
 # The GPU tests of the tail kernels (machine-independent correctness), then the A/B ratios of
-# "tail fused" and "merged rows 64" on the first 30 of the 43 layers (q2 at 43 layers does not fit
+# "tail fused" and "merged rows 64" on the first 30 of the 43 layers (ds4.bench.first_layers) (q2 at 43 layers does not fit
 # 78 GiB); per-step microseconds saved carry over, the ratios to the H200 only roughly.
 # Usage: bash tools/gpu/session23h.sh
 source "$(dirname "$0")/session_lib.sh"
