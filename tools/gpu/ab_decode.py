@@ -58,8 +58,8 @@ Variants (each the other side of an engine default; env names in brackets):
                   scores (topk.WIDE_MIN_CHUNK, WIDE_PROGRAMS 32 / 64 / 128: G = 17 / 33 / 65 at 64k ctx);
                   "wide d11": its passes by 11 / 11 / 10-bit digits (topk.WIDE_DIGITS, DS4_WIDE_DIGITS=11),
                   not the default 8-bit ones ("wide d8")
-  tail fused      model.cuda.fused.TAIL_FUSED (DS4_TAIL_FUSED=1) the output head's HC collapse + norm and the
-                  hash layers' routing as Triton launches, not torch chains (~40 launches a step fewer)
+  tail torch      model.cuda.fused.TAIL_FUSED off (DS4_TAIL_FUSED=0) the output head's HC collapse + norm and
+                  the hash layers' routing as torch chains (~40 launches a step more; default: Triton)
   moe prmt16      moe.GATE_UP.grid16 with prmt (DS4_MOE_GRID16=1) the permutes from the 16-bit codes
   moe bn8 / s2    moe.GATE_UP.bn = 8 / .splits = 2: more gate/up programs at B = 1
   moe down bn32   moe.DOWN.bn = 32
@@ -165,7 +165,7 @@ SWITCHES = {  # variant -> {(module, attribute): value}
         for c, p in ((1024, 32), (512, 64), (256, 128))
     },
     "indexer q torch": {(cfused, "INDEXER_Q_KERNEL"): False},
-    "tail fused": {(cfused, "TAIL_FUSED"): True},
+    "tail torch": {(cfused, "TAIL_FUSED"): False},
     "q8 no prefetch": {(mv, "Q8_MV1"): replace(BASE_Q8, prefetch=False)},
     "q8 int8": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True)},
     "q8 int8 bn16": {(mv, "Q8_MV1"): replace(BASE_Q8, int8=True, bn=16, tk=256)},

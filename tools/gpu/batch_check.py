@@ -182,8 +182,8 @@ def _variants() -> dict[str, dict]:
         "rows narrow": {(matvec, "Q8_ROWS_NARROW"): replace(matvec.Q8_ROWS, **matvec.Q8_ROWS_NARROW_TILE)},
         "rows no narrow": {(matvec, "Q8_ROWS_NARROW"): None},
         "rows int8 + mv1 int8": {**_rows_int8(matvec), (matvec, "Q8_MV1"): _mv1_int8(matvec)},
-        "tail fused": {(cfused, "TAIL_FUSED"): True},  # the head's HC + norm, hash routing as Triton launches
-        "merged rows 64": {(layer, "MERGED_ROWS"): 64},  # q_a + kv, gate + up: one q8_rows launch each
+        "tail torch": {(cfused, "TAIL_FUSED"): False},  # the head's HC + norm, hash routing as torch chains
+        "merged rows 8": {(layer, "MERGED_ROWS"): 8},  # q_a + kv, gate + up: one q8_rows launch each above 8
     }
 
 

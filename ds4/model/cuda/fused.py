@@ -287,9 +287,11 @@ def _indexer_q_post(qi, pos, inv_freq):
 # hash layers' routing (router_hash: 1 for ~8, 3 layers on Flash). ~40 launches a step fewer, each of them
 # a plain torch kernel that ends the PDL chain (dispatch.PDL) around it: the replayed 4k step's timeline
 # (tools/gpu/graph_timeline.py, session 21) charged the torch kernels ~125 us of its 7,310. Built in
-# session 22 without a GPU (interpreter tests, sm_90 builds): off until timed on the H200
-# (tools/gpu/ab_decode.py "tail fused"); env DS4_TAIL_FUSED=1: on.
-TAIL_FUSED = os.environ.get("DS4_TAIL_FUSED", "0") == "1"
+# session 22 without a GPU (interpreter tests, sm_90 builds). Session 23, H100, the first 30 layers at 4k
+# ctx (tools/gpu/ab_decode.py "tail fused", 3 rounds, all alike): 183.30 vs 181.05 tok/s (x1.012); B = 1 /
+# 16 / 32 steps at 8k x1.031 / x0.994 / x0.995 (batch_check.py, 2 rounds); on, then torch as the variant
+# (3 rounds): B = 1 x0.986, B = 32 x1.001 for torch. On. Env DS4_TAIL_FUSED=0: off.
+TAIL_FUSED = os.environ.get("DS4_TAIL_FUSED", "1") != "0"
 
 
 def head_norm(X, w: HCWeights, norm, rms_eps: float, hc_eps: float):
