@@ -236,7 +236,7 @@ def synthetic_model(quant: str, *, graphs: bool = True, cfg=None):
     from ds4.model.cuda import CudaModel
     from ds4.tools.synthetic import build_weights, plan
 
-    cfg = cfg or first_layers(None)
+    cfg = cfg or FLASH
     names = {pt.name for pt in plan(cfg, quant)}
 
     from ds4 import dist

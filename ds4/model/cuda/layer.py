@@ -69,17 +69,6 @@ SCORE_BUDGET = 1 << 25  # elements of one query block's score / gathered-key tem
 
 
 DECODE_ROWS = 8  # activation rows up to which a QLinear uses the packed matvec kernel
-# Activation rows up to which the merged packed matrices of one input (SideMatrices.qa_kv: q_a + kv;
-# shared_gu: the shared expert's gate + up) are read by one launch instead of one each; they are read only
-# where the rows read packed blocks (reads_packed) at all. DECODE_ROWS: the batch-1 matvec and the small
-# tiles; up to BATCH_QROWS (64) the batched steps' q8_rows too (86 launches a step fewer, larger grids:
-# the q_a + kv row tiles and their k-splits are the separate launches', so those sums are the same; gate +
-# up may split k fewer times). Built in session 22 without a GPU; session 23, H100, the first 30 layers at
-# 8k ctx (tools/gpu/batch_check.py --variants "merged rows 64", 2 rounds): B = 32 33.98 vs 34.72 ms
-# (x1.022), B = 16 x1.005, B = 1 x1.001; then 8 as the variant (3 rounds): B = 32 x0.977 for 8. So 64
-# (= BATCH_QROWS); the batched-vs-alone check passed at it. Env DS4_MERGED_ROWS (8: DECODE_ROWS, the batch-1
-# paths only); read when a step is built: recapture after changing.
-MERGED_ROWS = int(os.environ.get("DS4_MERGED_ROWS", "64"))
 # Rows (above DECODE_ROWS) up to which a QLinear still reads its packed Q8_0 blocks with f32 activations
 # (matvec.q8_rows: tensor cores, f32-accurate) instead of its dense bf16 copy (prefill's GEMMs): batched
 # decode steps of many sessions. The bf16 copy rounds weights and activations to bf16, which put batched
@@ -88,6 +77,18 @@ MERGED_ROWS = int(os.environ.get("DS4_MERGED_ROWS", "64"))
 # path). Not yet timed on a GPU (tools/gpu/bench_q8.py --rows, tools/gpu/batch_check.py). Env
 # DS4_BATCH_QROWS. Read when a step is built: recapture the graphs after changing it.
 BATCH_QROWS = int(os.environ.get("DS4_BATCH_QROWS", "64"))
+# Activation rows up to which the merged packed matrices of one input (SideMatrices.qa_kv: q_a + kv;
+# shared_gu: the shared expert's gate + up) are read by one launch instead of one each; they are read only
+# where the rows read packed blocks (reads_packed) at all. DECODE_ROWS: the batch-1 matvec and the small
+# tiles; up to BATCH_QROWS (64) the batched steps' q8_rows too (86 launches a step fewer, larger grids:
+# the q_a + kv row tiles and their k-splits are the separate launches', so those sums are the same; gate +
+# up may split k fewer times). Built in session 22 without a GPU; session 23, H100, the first 30 layers at
+# 8k ctx (tools/gpu/batch_check.py --variants "merged rows 64", 2 rounds): B = 32 33.98 vs 34.72 ms
+# (x1.022), B = 16 x1.005, B = 1 x1.001; then 8 as the variant (3 rounds): B = 32 x0.977 for 8. So
+# wherever rows read packed blocks (reads_packed's bound, 64); the batched-vs-alone check passed at it.
+# Env DS4_MERGED_ROWS (8: DECODE_ROWS, the batch-1 paths only); read when a step is built: recapture after
+# changing.
+MERGED_ROWS = int(os.environ.get("DS4_MERGED_ROWS", str(max(DECODE_ROWS, BATCH_QROWS))))
 
 
 # Rows from which a float32 matrix (router, compressors, q_a, kv, indexer proj: ds4.model.cuda.weights keeps
