@@ -118,6 +118,9 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"prmt": True, "smem": 2},
         {"prmt": True, "lds": True},
         {"prmt": True, "lds": True, "sign_math": True},
+        {"prmt": True, "lds": True, "pos_reg": True},
+        {"prmt": True, "lds": True, "chain": True, "pos_reg": True},
+        {"prmt": True, "lds": True, "chain": True, "pos_reg": True, "bn_gu": 32, "pairs": 2},
     ],
     ids=lambda v: "+".join(v),
 )

@@ -534,11 +534,15 @@ def _lds_fill(nib, snib, PTX: tl.constexpr):
 def _lds(nib, snib, i, SIGN: tl.constexpr, PTX: tl.constexpr):
     """Word i of the grid nibbles (SIGN False) or of the sign nibbles (SIGN True): ld.shared from the table
     _lds_fill put in shared memory; PTX False: a global gather from nib / snib."""
-    if PTX:
-        j = i.to(tl.int32) + 256 if SIGN else i.to(tl.int32)
+    if PTX and SIGN:  # the sign nibbles' offset (word 256) as the load's immediate: no add per lookup
+        w = tl.inline_asm_elementwise(
+            "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; ld.shared.b32 $0, [a+1024]; }",
+            "=r,r", [i.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    elif PTX:
         w = tl.inline_asm_elementwise(
             "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; ld.shared.b32 $0, [a]; }",
-            "=r,r", [j], dtype=tl.int32, is_pure=True, pack=1,
+            "=r,r", [i.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
     else:
         w = tl.load(snib + i) if SIGN else tl.load(nib + i)

@@ -475,8 +475,8 @@ class GroupedConfig:
             raise ValueError(f"GroupedConfig.smem must be 0, 1 or 2, got {self.smem}")
         if self.smem and not (self.prmt and not self.grid16 and not self.sign_math):
             raise ValueError("GroupedConfig: smem needs the nibble tables (prmt, no grid16, no sign_math)")
-        if self.lds and not (self.prmt and not self.grid16 and not self.smem and not self.pos_reg):
-            raise ValueError("GroupedConfig: lds needs the nibble tables (prmt; no grid16, smem, pos_reg)")
+        if self.lds and not (self.prmt and not self.grid16 and not self.smem):
+            raise ValueError("GroupedConfig: lds needs the nibble tables (prmt; no grid16, smem)")
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
 

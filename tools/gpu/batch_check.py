@@ -167,6 +167,21 @@ def _variants() -> dict[str, dict]:
         "grouped smem2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2)},
         "grouped lds": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True)},
         "grouped lds math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, sign_math=True)},
+        "grouped chain preg": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, chain=True, pos_reg=True)
+        },
+        "grouped lds preg": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, pos_reg=True)},
+        "grouped lds chain preg": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, chain=True, pos_reg=True)
+        },
+        "grouped lcp bn32": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_gu=32, lds=True, chain=True, pos_reg=True)
+        },
+        "grouped lcp bn32 pt2": {
+            (moe_grouped, "CONFIG"): replace(
+                moe_grouped.CONFIG, bn_gu=32, pairs=2, lds=True, chain=True, pos_reg=True
+            )
+        },
         "grouped unsorted down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sorted_down=False)},
         "side rows from 2": {(layer, "DECODE_ROWS"): 1},  # no merged side matrices above 1 row
         "q8 rows from 2": {(matvec, "Q8_ROWS_FROM"): 2},  # matvec.q8_rows instead of _qmv_kernel (from 3)

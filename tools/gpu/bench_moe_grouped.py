@@ -67,6 +67,16 @@ GU_VARIANTS = [
     GroupedConfig(prmt=True, sign_math=False, smem=2),  # one joined lookup
     GroupedConfig(prmt=True, sign_math=False, lds=True),  # session 16: static shared tables (ld.shared)
     GroupedConfig(prmt=True, sign_math=True, lds=True),  # the grid nibbles shared, the sign ones computed
+    # session 24 (sm_90 k loop at 1 / 2 / 4 pairs, the engine's 229 / 304 / 454 instructions): chain + the
+    # positive word loaded again since session 14's loads (201 / 269 / 376), the shared tables with it
+    # (the sign table's offset now the load's immediate: 195 / 276 / 400), all three (183 / 246 / 362)
+    GroupedConfig(prmt=True, sign_math=False, chain=True, pos_reg=True),
+    GroupedConfig(prmt=True, sign_math=False, lds=True, pos_reg=True),
+    GroupedConfig(prmt=True, sign_math=False, lds=True, chain=True, pos_reg=True),
+    # ... at 32 rows a program (4 warps: two rows a thread), 4 / 2 pairs: 319 / 423 / 616 instructions for
+    # twice the weights (the engine's at bn 32: 424 at one pair, 813 at 4)
+    GroupedConfig(bn_gu=32, prmt=True, sign_math=False, lds=True, chain=True, pos_reg=True),
+    GroupedConfig(bn_gu=32, pairs=2, prmt=True, sign_math=False, lds=True, chain=True, pos_reg=True),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -77,7 +87,7 @@ DN_VARIANTS = [
     GroupedConfig(bn_dn=128),
 ]
 if "--latest" in sys.argv:  # the engine's configs and this session's gate/up variants (the time budget)
-    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-2:]], DN_VARIANTS[:1]
+    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-5:]], DN_VARIANTS[:1]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")
@@ -106,7 +116,7 @@ def route(b: int, bias: torch.Tensor) -> torch.Tensor:
 
 def gu_label(c: GroupedConfig) -> str:
     extra = (" math" if c.sign_math else " masks") + " g16" * c.grid16 + " prmt" * c.prmt
-    extra += " chain" * c.chain + " preg" * c.pos_reg + f" smem{c.smem}" * bool(c.smem)
+    extra += " chain" * c.chain + " preg" * c.pos_reg + f" smem{c.smem}" * bool(c.smem) + " lds" * c.lds
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}"
 
 
