@@ -506,8 +506,14 @@ class GroupedConfig:
 # The IQ2_XXS nibble tables in static shared memory (lds, moe._lds_fill; bit-identical): per layer B = 32
 # 523.0 vs 524.3 us, step 50.51 vs 50.37 ms: off (env DS4_MOE_GROUPED_LDS=1). The k loop is issue-bound:
 # ~454 instructions a thread per super-block step at 4 pairs (128 dp4a; sm_90, the launch's divisibility).
+# Session 24 (sm_90 k loop at 1 / 2 / 4 pairs, tools/gpu/bench_moe_grouped.py's variants): the engine's
+# 229 / 304 / 454; chain + pos_reg 201 / 269 / 376 (72-92 registers); lds + pos_reg (the sign table's offset
+# now the shared load's immediate) 195 / 276 / 400; all three 183 / 246 / 362, and at bn 32 (two rows a
+# thread) 319 / 423 / 616 for twice the weights. Env DS4_MOE_GROUPED_BN_GU / _PAIRS: the tile.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 CONFIG = GroupedConfig(
+    bn_gu=int(os.environ.get("DS4_MOE_GROUPED_BN_GU", "16")),
+    pairs=int(os.environ.get("DS4_MOE_GROUPED_PAIRS", "4")),
     sign_math=os.environ.get("DS4_MOE_GROUPED_SIGN_MATH", "0") == "1",
     pair_down=os.environ.get("DS4_MOE_GROUPED_PAIR_DOWN", "1") == "1",
     sorted_down=os.environ.get("DS4_MOE_GROUPED_SORTED_DOWN", "1") == "1",
