@@ -2,8 +2,9 @@
 (row, slot) pair) vs the grouped-by-expert kernels (ds4.kernels.moe_grouped: one program per expert run).
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py [out_dir]        (< 90 s)
-              ... --latest: gate/up only the engine's config and the last two variants
-Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py --compile-only   (sm_90 build, SASS)
+              ... --latest: gate/up only the engine's config and the last five variants
+Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py --compile-only   (sm_90 builds: registers
+              and k-loop instructions of every gate/up variant at 1, 2 and its own pairs per program)
 
 Flash widths (K = 4096, F = 2048, 256 experts, 6 per row), IQ2_XXS gate/up and Q2_K down, random valid blocks
 built on the GPU, B = 8, 16, 32 rows. Routing: per layer a random expert popularity (N(0, 0.5) logits) plus
@@ -298,12 +299,18 @@ _DN_SIG = {
 }
 
 
+# ints that are multiples of 16 at Flash widths and B = 32: the launcher specializes them as divisible by 16
+# (the x loads vectorize), so the builds here mark them too, as they are at run time
+_DIV16 = ("E", "F", "K", "D", "xplane", "n_pairs")
+
+
 def _compile(fn, sig: dict[str, str], consts: dict, warps: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     full = {n: sig.get(n, "constexpr") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if full[n].startswith("*")}
+    div = [i for i, n in enumerate(fn.arg_names) if full[n].startswith("*") or n in _DIV16]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div}
     src = ASTSource(fn, signature=full, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
@@ -341,42 +348,52 @@ def _sass_stats(cubin: bytes) -> tuple[str, int, int]:
     return res, n_loop, sum(1 for _, op, _ in ops if op.startswith("IDP"))
 
 
+def _gu_build(c: GroupedConfig, pairs: int) -> tuple[dict[str, str], dict]:
+    """The gate/up kernel's signature (table dtypes as moe.iq2_tables gives them for c) and constexprs,
+    all of them (Triton's cache key holds their values, not their names)."""
+    tab = "*i16" if c.grid16 else "*i32" if c.prmt else "*i64"
+    sig = {**_GU_SIG, "tab64": tab, "ksm": "*i32" if c.prmt else "*i64"}
+    consts = {"BN": c.bn_gu, "PT": pairs, "CLAMP": True, "TERMS": c.terms, "DP4A": True}
+    consts |= {"SIGN_MATH": c.sign_math, "CHAIN": c.chain, "POS_REG": c.pos_reg, "SMEM": c.smem, "LDS": c.lds}
+    return sig, consts
+
+
 def compile_only() -> None:
-    say(f"triton {triton.__version__}: sm_90 compile of the grouped kernels")
-    runs = []
-    for bn, pt, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (16, 2, 4), (32, 4, 8)):
-        for t in (2, 1):
-            consts = {"BN": bn, "PT": pt, "CLAMP": True, "TERMS": t, "DP4A": True, "SIGN_MATH": False}
-            runs.append(
-                (f"gu bn{bn} pt{pt} w{w} t{t}", moe_grouped._gate_up_grouped_kernel, _GU_SIG, consts, w)
-            )
-    tables = {"g16": {"tab64": "*i16"}, "prmt": {"tab64": "*i32", "ksm": "*i32"}, "": {}}
-    tables["prmt16"] = {"tab64": "*i16", "ksm": "*i32"}  # prmt with grid16: permutes from the 16-bit codes
-    variants = [(True, "", False, False), (False, "g16", False, False), (True, "g16", False, False)]
-    variants += [(False, "prmt", c, p) for c in (False, True) for p in (False, True)] + [(True, "prmt", 0, 0)]
-    variants += [(False, "prmt16", False, False), (True, "prmt16", False, False), (False, "prmt", 0, "smem")]
-    variants += [(False, "prmt", 0, "smem2"), (False, "prmt", 0, "lds"), (True, "prmt", 0, "lds")]
-    for math, tab, chain, preg in variants:
-        consts = {"BN": 16, "PT": 4, "CLAMP": True, "TERMS": 2, "DP4A": True, "SIGN_MATH": math}
-        smem = {"smem": 1, "smem2": 2}.get(preg, 0)
-        consts |= {"CHAIN": bool(chain), "POS_REG": preg is True, "SMEM": smem, "LDS": preg == "lds"}
-        name = "gu bn16 pt4 w4 t2" + " math" * math + f" {tab}" * bool(tab)
-        name += " chain" * chain + " preg" * (preg is True)
-        name += f" {preg}" * str(preg).startswith(("smem", "lds"))
-        runs.append((name, moe_grouped._gate_up_grouped_kernel, {**_GU_SIG, **tables[tab]}, consts, 4))
+    """Registers and k-loop instructions of every gate/up variant at 1, 2 and its own pairs per program
+    (a program runs the branches of the pairs it has: at B = 32 most have 1 or 2), and of the down tiles."""
+    say(f"triton {triton.__version__}: sm_90 compile of the grouped kernels (runtime divisibility)")
+    ok = True
+    seen = set()
+    for c in GU_VARIANTS + [GroupedConfig(terms=1), GroupedConfig(bn_gu=8)]:
+        if c in seen:
+            continue
+        seen.add(c)
+        loops, res = [], ""
+        for pt in sorted({1, 2, c.pairs}):
+            try:
+                sig, consts = _gu_build(c, pt)
+                res, n, _ = _sass_stats(
+                    _compile(moe_grouped._gate_up_grouped_kernel, sig, consts, c.warps).asm["cubin"]
+                )
+            except Exception as exc:  # noqa: BLE001 - report every kernel
+                ok = False
+                say(f"  {gu_label(c)} pt{pt} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+                continue
+            loops.append(f"pt{pt} {n}")
+        say(f"  {gu_label(c) + f' t{c.terms}':44s} {res:26s} k loop {' / '.join(loops)}")
     for bn, pt, w in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (64, 2, 4)):
         for t in (2, 1):
             consts = {"BN": bn, "PT": pt, "TERMS": t, "DP4A": True}
-            runs.append((f"dn bn{bn} pt{pt} w{w} t{t}", moe_grouped._down_grouped_kernel, _DN_SIG, consts, w))
-    ok = True
-    for label, fn, sig, consts, warps in runs:
-        try:
-            res, n, dp4a = _sass_stats(_compile(fn, sig, consts, warps).asm["cubin"])
-        except Exception as exc:  # noqa: BLE001 - report every kernel
-            ok = False
-            say(f"  {label:22s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
-            continue
-        say(f"  {label:22s} {res:28s} k loop {n:5d} instr, {dp4a:4d} dp4a")
+            label = f"dn bn{bn} pt{pt} w{w} t{t}"
+            try:
+                res, n, dp4a = _sass_stats(
+                    _compile(moe_grouped._down_grouped_kernel, _DN_SIG, consts, w).asm["cubin"]
+                )
+            except Exception as exc:  # noqa: BLE001 - report every kernel
+                ok = False
+                say(f"  {label:22s} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+                continue
+            say(f"  {label:44s} {res:26s} k loop {n:5d} instr, {dp4a:4d} dp4a")
     say("all compiled" if ok else "SOME FAILED")
 
 
