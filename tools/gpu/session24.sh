@@ -7,7 +7,8 @@
 # Runs on an H100 or an H200 (4 layers of experts; batch steps on the first 30 layers).
 #   part a: the grouped kernels' GPU tests, bench_moe_grouped.py --latest (per layer, B = 8 / 16 / 32),
 #           then whole B = 16 / 32 steps at 8k with two of them (batch_check.py --variants).
-# Usage: bash tools/gpu/session24.sh a
+#   part b: part a without the whole steps (the tests of the variants, the bench): for little device time.
+# Usage: bash tools/gpu/session24.sh a|b
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
@@ -15,4 +16,9 @@ if [ "$1" = a ]; then
   TAIL=30 run bench1 90 python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
   TAIL=12 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
     --variants "grouped lds chain preg,grouped lcp bn32" --batches 16,32 --ctx 8192 --steps 16
+fi
+if [ "$1" = b ]; then
+  TAIL=3 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
+    -k "variants"
+  TAIL=40 run bench1 "$(left)" python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
 fi
