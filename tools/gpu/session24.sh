@@ -8,7 +8,8 @@
 #   part a: the grouped kernels' GPU tests, bench_moe_grouped.py --latest (per layer, B = 8 / 16 / 32),
 #           then whole B = 16 / 32 steps at 8k with two of them (batch_check.py --variants).
 #   part b: part a without the whole steps (the tests of the variants, the bench): for little device time.
-# Usage: bash tools/gpu/session24.sh a|b
+#   part c: the bench alone.
+# Usage: bash tools/gpu/session24.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
@@ -20,5 +21,8 @@ fi
 if [ "$1" = b ]; then
   TAIL=3 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
     -k "variants"
+  TAIL=40 run bench1 "$(left)" python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
+fi
+if [ "$1" = c ]; then
   TAIL=40 run bench1 "$(left)" python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
 fi
