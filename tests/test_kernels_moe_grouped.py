@@ -121,6 +121,11 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"prmt": True, "lds": True, "pos_reg": True},
         {"prmt": True, "lds": True, "chain": True, "pos_reg": True},
         {"prmt": True, "lds": True, "chain": True, "pos_reg": True, "bn_gu": 32, "pairs": 2},
+        {"prefetch": True},
+        {"prmt": True, "prefetch": True, "pairs": 2},
+        {"prmt": True, "lds": True, "prefetch": True},
+        {"prmt": True, "lds": True, "lds_rep": 16},
+        {"prmt": True, "lds": True, "lds_rep": 8, "pos_reg": True},
     ],
     ids=lambda v: "+".join(v),
 )
@@ -128,15 +133,29 @@ def test_grouped_decode_variants_change_no_bit(variant):
     """GroupedConfig.sign_math (computed sign masks), .grid16 (the 16-bit code table) and .prmt (nibble
     tables, byte permutes; with sign_math the sign nibbles computed; pos_reg: their source word loaded;
     smem: the tables looked up by tl.gather; lds: read from the kernel's static shared copy) decode the
-    same signed grid words, and .chain sums the same integers: gate/up equals the gathered-mask 8-byte-row
-    decode bit for bit."""
-    from dataclasses import replace
-
+    same signed grid words, .chain sums the same integers and .prefetch loads the same bytes a step early:
+    gate/up equals the gathered-mask 8-byte-row decode bit for bit at the same row tile (the tile sets the
+    order of the final row sums)."""
     wg, wu, _, ids, x, _, _ = _case(24, 256, 40, IDS, 52)
-    base = CONFIGS[0]
-    want = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, base)
-    cfg = replace(base, **variant)
-    assert torch.equal(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg), want)
+    cfg = replace(CONFIGS[0], **variant)
+    want = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, replace(CONFIGS[0], bn_gu=cfg.bn_gu))
+    got = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 1.0, cfg)
+    if cfg.bn_gu == 32 and cfg.chain:  # on the GPU chain's [BN, 8] partials take another layout at bn 32,
+        assert rel_err(got, want) < F32_TOL  # so the row sums' f32 order differs (the integers do not)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[2:], ids=["t2", "t1"])
+def test_grouped_pair_down_prefetch_changes_no_bit(cfg):
+    """GroupedConfig.prefetch_dn (the pair down kernel loading block kt + 1 before computing kt; its partials
+    kept per 16-byte group, so the f32 order differs) equals the plain loop's and the twin's within
+    F32_TOL."""
+    _, _, wd, ids, _, mid, weights = _case(24, 256, 40, IDS, 57)
+    want = moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg)
+    got = moe_grouped.moe_down_grouped(mid, weights, wd, ids, replace(cfg, prefetch_dn=True))
+    assert rel_err(got, want) < F32_TOL
+    assert rel_err(got, ref.moe_down_q8k(mid, weights, wd, ids, cfg.terms)) < F32_TOL
 
 
 def test_grouped_gate_up_given_planes():

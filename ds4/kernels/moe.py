@@ -365,15 +365,28 @@ def _iq2_load(qs, sg, dd, wrow, kt, nb):
     blocks, 16 L1 tag requests per 128-byte load where 4 serve, and the L1 tag stage (~1 request per clock
     per SM) bounded the gate/up kernels. Here a row's 32 bytes load as one contiguous [BN, 32] run (a warp:
     4 rows x 32 bytes, 4 sectors); _signed_words_sb keeps the grid gathers in that layout."""
-    BN: tl.constexpr = wrow.shape[0]
-    lg = tl.arange(0, 4)[None, None, :]
+    return _iq2_unpack(*_iq2_raw(qs, sg, dd, wrow, kt, nb))
+
+
+@triton.jit
+def _iq2_raw(qs, sg, dd, wrow, kt, nb):
+    """_iq2_load's loads alone, nothing computed on them: (grid index bytes [BN, 32] u8, sub-block word bytes
+    [BN, 32] u8, scales [BN] f16), so that a caller can issue the next super-block's loads before it
+    decodes this one (no instruction waits on them until _iq2_unpack)."""
     run = wrow[:, None] * (nb * 32) + kt * 32 + tl.arange(0, 32)[None, :]  # [BN, 32] byte offsets
-    idx = tl.reshape(tl.load(qs + run), (BN, 8, 4)).to(tl.int32)
+    return tl.load(qs + run), tl.load(sg + run), tl.load(dd + wrow * nb + kt)
+
+
+@triton.jit
+def _iq2_unpack(q, s, d):
+    """_iq2_raw's bytes -> _iq2_load's (idx [BN, 8, 4] int32, a1 [BN, 8, 1] int32, d [BN] f32)."""
+    BN: tl.constexpr = q.shape[0]
+    lg = tl.arange(0, 4)[None, None, :]
+    idx = tl.reshape(q, (BN, 8, 4)).to(tl.int32)
     # the sub-block word from its 4 bytes, summed within a thread (lg is): an int32 [BN, 8, 1] load took a
     # layout of its own and shared-memory conversions (barriers) per block
-    a1 = tl.sum(tl.reshape(tl.load(sg + run), (BN, 8, 4)).to(tl.int32) << (8 * lg), axis=2)[:, :, None]
-    d = tl.load(dd + wrow * nb + kt).to(tl.float32)
-    return idx, a1, d
+    a1 = tl.sum(tl.reshape(s, (BN, 8, 4)).to(tl.int32) << (8 * lg), axis=2)[:, :, None]
+    return idx, a1, d.to(tl.float32)
 
 
 @triton.jit
@@ -512,11 +525,13 @@ def _joined_tables(nib, snib):
 
 
 @triton.jit
-def _lds_fill(nib, snib, PTX: tl.constexpr):
+def _lds_fill(nib, snib, PTX: tl.constexpr, REP: tl.constexpr = 1):
     """Declare the kernel's static shared table (once: a scalar operand makes one asm statement a thread)
     and copy both tables into it, then a barrier. Call once, at the top of the kernel, before any _lds.
-    PTX False (Triton's interpreter): nothing; _lds is then a global gather."""
-    if PTX:
+    PTX False (Triton's interpreter): nothing; _lds is then a global gather. REP > 1: _lds_fill_rep."""
+    if PTX and REP > 1:
+        _lds_fill_rep(nib, snib, REP)
+    elif PTX:
         tl.inline_asm_elementwise(
             ".shared .align 16 .b32 ds4_iq2_tabs[512];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
             dtype=tl.int32, is_pure=False, pack=1,
@@ -530,11 +545,84 @@ def _lds_fill(nib, snib, PTX: tl.constexpr):
         tl.debug_barrier()
 
 
+# Replicated shared tables (GroupedConfig.lds_rep): word t of the 384 (grid nibbles, then sign nibbles)
+# is held REP times, copy c at word t REP + c, and lane l reads copy l % REP, so a warp's 32 random lookups
+# fall in distinct banks up to lanes l, l + 16 at REP 16 (2 wavefronts; one copy: ~3.5 on random words).
+# Why by hand: Triton has no shared-memory table a kernel keeps across its loop (tl.gather re-stores it per
+# call); the tables are 384 words, the static array 384 REP words (24 KB at REP 16).
 @triton.jit
-def _lds(nib, snib, i, SIGN: tl.constexpr, PTX: tl.constexpr):
+def _lds_fill_rep(nib, snib, REP: tl.constexpr):
+    """_lds_fill for REP copies (8 or 16): each thread stores its word of every 128-word chunk REP times,
+    copy (t + r) % REP at step r, so a warp's stores spread over the banks."""
+    if REP == 8:
+        tl.inline_asm_elementwise(
+            ".shared .align 16 .b32 ds4_iq2_tabs[3072];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        tl.static_assert(REP == 16, "lds_rep: 8 or 16 copies")
+        tl.inline_asm_elementwise(
+            ".shared .align 16 .b32 ds4_iq2_tabs[6144];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    for j in tl.static_range(3):
+        t = j * 128 + tl.arange(0, 128)
+        v = tl.load(nib + t) if j < 2 else tl.load(snib + (t - 256))
+        for r in tl.static_range(REP):
+            tl.inline_asm_elementwise(
+                "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; st.shared.b32 [a], $2;"
+                " mov.u32 $0, 0; }", "=r,r,r", [t * REP + (t + r) % REP, v], dtype=tl.int32, is_pure=False,
+                pack=1,
+            )  # fmt: skip
+    tl.debug_barrier()
+
+
+@triton.jit
+def _lds_rep(i, SIGN: tl.constexpr, REP: tl.constexpr):
+    """_lds from the replicated tables: word i's copy lane % REP. The lane's byte offset into the table is
+    one pure asm of a constant operand, so LLVM computes it once per kernel (CSE, hoisted from the loop)."""
+    i = i.to(tl.int32)
+    zero = i * 0
+    if REP == 16:
+        off = _asm1(
+            "{ .reg .u32 l; mov.u32 l, %laneid; and.b32 l, l, 15; mov.u32 $0, ds4_iq2_tabs;"
+            " mad.lo.u32 $0, l, 4, $0; add.u32 $0, $0, $1; }", zero,
+        )  # fmt: skip
+        if SIGN:  # the sign nibbles from word 256 REP: the load's immediate
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 64, $2; ld.shared.b32 $0, [a+16384]; }", i, off)
+        else:
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 64, $2; ld.shared.b32 $0, [a]; }", i, off)
+    else:
+        off = _asm1(
+            "{ .reg .u32 l; mov.u32 l, %laneid; and.b32 l, l, 7; mov.u32 $0, ds4_iq2_tabs;"
+            " mad.lo.u32 $0, l, 4, $0; add.u32 $0, $0, $1; }", zero,
+        )  # fmt: skip
+        if SIGN:
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 32, $2; ld.shared.b32 $0, [a+8192]; }", i, off)
+        else:
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 32, $2; ld.shared.b32 $0, [a]; }", i, off)
+    return w
+
+
+@triton.jit
+def _asm1(asm: tl.constexpr, a):
+    """Pure int32 inline asm of one int32 operand ($1) -> $0."""
+    return tl.inline_asm_elementwise(asm, "=r,r", [a], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _asm2(asm: tl.constexpr, a, b):
+    """Pure int32 inline asm of two int32 operands ($1, $2) -> $0."""
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lds(nib, snib, i, SIGN: tl.constexpr, PTX: tl.constexpr, REP: tl.constexpr = 1):
     """Word i of the grid nibbles (SIGN False) or of the sign nibbles (SIGN True): ld.shared from the table
-    _lds_fill put in shared memory; PTX False: a global gather from nib / snib."""
-    if PTX and SIGN:  # the sign nibbles' offset (word 256) as the load's immediate: no add per lookup
+    _lds_fill put in shared memory (REP copies: _lds_rep); PTX False: a global gather from nib / snib."""
+    if PTX and REP > 1:
+        w = _lds_rep(i, SIGN, REP)
+    elif PTX and SIGN:  # the sign nibbles' offset (word 256) as the load's immediate: no add per lookup
         w = tl.inline_asm_elementwise(
             "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; ld.shared.b32 $0, [a+1024]; }",
             "=r,r", [i.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1,
@@ -565,11 +653,11 @@ def _prmt_words(
     (the gathers bound the L1 tag stage: session 14), the nibbles spread by _spread_codes. H200 (session
     14): B = 1 gate/up 26.8 vs 26.5 us, whole model 112.07 vs 111.72 tok/s, grouped B = 32 525.5 vs 521.7
     us: no gain, off (env DS4_MOE_GRID16=1 with prmt on, DS4_MOE_GROUPED_GRID16=1). LDS: both tables read
-    from the kernel's static shared copy (_lds, after the kernel's _lds_fill)."""
+    from the kernel's static shared copy (_lds, after the kernel's _lds_fill; LDS > 1: that many copies)."""
     if nib.dtype.element_ty == tl.int16:  # MoeConfig.prmt + grid16: 512 B of codes, spread (6 ALU ops)
         w = _spread_codes(tl.load(nib + idx).to(tl.int32))
     elif LDS:  # both tables from the kernel's static shared copy (_lds_fill)
-        w = _lds(nib, snib, idx, False, PTX)
+        w = _lds(nib, snib, idx, False, PTX, LDS)
     else:
         w = tl.load(nib + idx)
     # bytes 8, 25, 43, 0. As a constant, ptxas copies it from a uniform register before every PRMT (whose
@@ -585,7 +673,7 @@ def _prmt_words(
         lo = w | _sign_nibbles(si & 15)
         hi = (w >> 16) | _sign_nibbles(((si >> 4) & 7) | (par << 3))
     else:
-        lo = w | (_lds(nib, snib, si, True, PTX) if LDS else tl.load(snib + si))
+        lo = w | (_lds(nib, snib, si, True, PTX, LDS) if LDS else tl.load(snib + si))
         hi = lo >> 16
     b = tl.full(lo.shape, _PRMT_NEG, tl.int32)  # bytes -8, -25, -43, 0: PRMT's immediate operand
     return _prmt(a, b, lo, PTX), _prmt(a, b, hi, PTX)

@@ -54,7 +54,8 @@ from .moe import (
     GATE_UP,
     _dot4,
     _dot16,
-    _iq2_load,
+    _iq2_raw,
+    _iq2_unpack,
     _joined_tables,
     _lds_fill,
     _pick,
@@ -84,14 +85,24 @@ def _iq2_decode(
     2 ls + 1 per sub-block, d [BN] f32), as moe.py's _iq2_q8k_block decodes them (moe._signed_words: tab64 /
     ksm the launcher's tables, SIGN_MATH the computed sign masks, PTX the byte permutes as PTX, POS_REG as
     GroupedConfig.pos_reg, LDS the static shared tables of GroupedConfig.lds)."""
-    idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)  # its layout note: why the loads look as they do
+    q, s, d = _iq2_raw(qs, sg, dd, wrow, kt, nb)  # moe._iq2_load's layout note: why the loads look as they do
+    return _iq2_decode_bytes(q, s, d, tab64, ksm, SIGN_MATH, PTX, POS_REG, nib_r, snib_r, SMEM, LDS)
+
+
+@triton.jit
+def _iq2_decode_bytes(
+    q, s, d, tab64, ksm, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr, nib_r, snib_r,
+    SMEM: tl.constexpr, LDS: tl.constexpr,
+):  # fmt: skip
+    """_iq2_decode on a super-block's loaded bytes (moe._iq2_raw: q, s [BN, 32] u8, d [BN] f16)."""
+    idx, a1, d = _iq2_unpack(q, s, d)
     lg = tl.arange(0, 4)[None, None, :]
     si = (a1 >> (7 * lg)) & 127
     if SMEM:  # the tables as register copies, looked up by tl.gather (GroupedConfig.smem)
         wlo, whi = _prmt_smem(nib_r, snib_r, idx, si, PTX)
     else:
         wlo, whi = _signed_words_sb(tab64, ksm, idx, si, SIGN_MATH, PTX, POS_REG, LDS)
-    a1w = tl.reshape(a1, (wrow.shape[0], 8))
+    a1w = tl.reshape(a1, (q.shape[0], 8))
     return wlo, whi, 2 * ((a1w >> 28) & 15) + 1, d
 
 
@@ -231,13 +242,14 @@ def _gate_up_grouped_kernel(
     POS_REG: tl.constexpr = False,
     SMEM: tl.constexpr = 0,
     LDS: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Gate and up of up to PT pairs of one expert (sorted positions p ..) on the quantized input (xw
     [TERMS, B, K/8] int64, planes xplane words apart; dx [B, K/256]) -> mid rows out [P, F] (flat pair
-    index), the clamped SwiGLU; zeros for the sentinel expert."""
+    index), the clamped SwiGLU; zeros for the sentinel expert. PREFETCH: GroupedConfig.prefetch."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     if LDS:
-        _lds_fill(tab64, ksm, DP4A)
+        _lds_fill(tab64, ksm, DP4A, LDS)
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, PT)
@@ -266,12 +278,23 @@ def _gate_up_grouped_kernel(
     if SMEM == 2:  # one [512] table: the grid nibbles, the sign nibbles from 256, zeros
         nib_r = _joined_tables(tab64, ksm)
         snib_r = None
+    if PREFETCH:  # super-block 0's bytes now; step kt loads kt + 1's before it decodes kt's
+        gq_n, gs_n, gd_n = _iq2_raw(gq, gs, gd, wrow, 0, nb)
+        uq_n, us_n, ud_n = _iq2_raw(uq, us, ud, wrow, 0, nb)
     for kt in range(0, tl.where(live, nb, 0)):
-        wl, wh, ls, d = _iq2_decode(
-            gq, gs, gd, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM, LDS
+        if PREFETCH:
+            gq_c, gs_c, gd_c, uq_c, us_c, ud_c = gq_n, gs_n, gd_n, uq_n, us_n, ud_n
+            kn = tl.minimum(kt + 1, nb - 1)  # the last step reloads its own block (unused)
+            gq_n, gs_n, gd_n = _iq2_raw(gq, gs, gd, wrow, kn, nb)
+            uq_n, us_n, ud_n = _iq2_raw(uq, us, ud, wrow, kn, nb)
+        else:
+            gq_c, gs_c, gd_c = _iq2_raw(gq, gs, gd, wrow, kt, nb)
+            uq_c, us_c, ud_c = _iq2_raw(uq, us, ud, wrow, kt, nb)
+        wl, wh, ls, d = _iq2_decode_bytes(
+            gq_c, gs_c, gd_c, tab64, ksm, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM, LDS
         )
-        vl, vh, ms, c = _iq2_decode(
-            uq, us, ud, tab64, ksm, wrow, kt, nb, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM, LDS
+        vl, vh, ms, c = _iq2_decode_bytes(
+            uq_c, us_c, ud_c, tab64, ksm, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM, LDS
         )
         g0 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
         u0 += _iq2_pair(vl, vh, ms, c, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
@@ -464,6 +487,14 @@ class GroupedConfig:
     smem: int = 0  # gate/up, prmt: the tables looked up by tl.gather (shared memory, _prmt_smem): 1 two
     # lookups per group, 2 one joined lookup in a [512] table (half the table stores and barriers)
     lds: bool = False  # gate/up, prmt: the nibble tables from a static shared copy (moe._lds_fill, PTX)
+    # gate/up, lds: copies of the shared tables, lane l reading copy l % lds_rep (moe._lds_fill_rep): 1, 8, 16
+    lds_rep: int = 1
+    # gate/up: super-block kt + 1's bytes loaded (kept raw, moe._iq2_raw) before kt is decoded, so a program
+    # has two blocks' loads in flight instead of waiting on each: the k loop is bound by bytes in flight
+    # (session 25: fewer instructions at more registers, session 24's variants, were slower)
+    prefetch: bool = False
+    # down by the pair kernel (pair_down): its MoeConfig.prefetch (moe._q2k_q8k_down_kernel)
+    prefetch_dn: bool = False
 
     def __post_init__(self) -> None:
         for name in ("pairs", "pairs_dn"):
@@ -477,6 +508,8 @@ class GroupedConfig:
             raise ValueError("GroupedConfig: smem needs the nibble tables (prmt, no grid16, no sign_math)")
         if self.lds and not (self.prmt and not self.grid16 and not self.smem):
             raise ValueError("GroupedConfig: lds needs the nibble tables (prmt; no grid16, smem)")
+        if self.lds_rep not in (1, 8, 16) or (self.lds_rep > 1 and not self.lds):
+            raise ValueError(f"GroupedConfig.lds_rep must be 1, 8 or 16 (> 1 with lds), got {self.lds_rep}")
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
 
@@ -510,7 +543,17 @@ class GroupedConfig:
 # 229 / 304 / 454; chain + pos_reg 201 / 269 / 376 (72-92 registers); lds + pos_reg (the sign table's offset
 # now the shared load's immediate) 195 / 276 / 400; all three 183 / 246 / 362, and at bn 32 (two rows a
 # thread) 319 / 423 / 616 for twice the weights. Env DS4_MOE_GROUPED_BN_GU / _PAIRS: the tile.
+# Session 25 (H100 80GB HBM3; per layer: bench_moe_grouped.py --latest; steps: batch_check.py --layers 30,
+# 8k ctx, 2 x 16 steps): session 24's variants all slower at B = 32 (per layer 544-562 vs 521 us; steps
+# x0.964 / x0.977), and so is super-block kt + 1 loaded ahead (prefetch: 528 vs 520 us, step x1.000; the pair
+# down kernel's prefetch 532 vs 193 us): neither issue nor loads in flight bound the k loop, the table
+# lookups do. The shared tables in 16 copies (lds_rep 16, lane l reading copy l % 16: 2 wavefronts a
+# warp's lookup where one copy takes ~3.5; 80 registers, 25 KB shared): per layer B = 8 / 16 / 32 151.6 /
+# 281.2 / 509.1 vs 161.8 / 292.6 / 520.8 us, steps B = 16 / 32 20.52 / 33.37 vs 20.94 / 33.82 ms (x1.021 /
+# x1.013): on (env DS4_MOE_GROUPED_LDS=0: the L1 gathers; DS4_MOE_GROUPED_LDS_REP=1: one shared copy). 8
+# copies (4-way conflicts remain): x0.976.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
+_LDS = _PRMT and os.environ.get("DS4_MOE_GROUPED_LDS", "1") == "1"
 CONFIG = GroupedConfig(
     bn_gu=int(os.environ.get("DS4_MOE_GROUPED_BN_GU", "16")),
     pairs=int(os.environ.get("DS4_MOE_GROUPED_PAIRS", "4")),
@@ -523,7 +566,10 @@ CONFIG = GroupedConfig(
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",
     pos_reg=os.environ.get("DS4_MOE_GROUPED_POS_REG", "0") == "1",
     smem=int(os.environ.get("DS4_MOE_GROUPED_SMEM", "0")),
-    lds=_PRMT and os.environ.get("DS4_MOE_GROUPED_LDS", "0") == "1",
+    lds=_LDS,
+    lds_rep=int(os.environ.get("DS4_MOE_GROUPED_LDS_REP", "16")) if _LDS else 1,
+    prefetch=os.environ.get("DS4_MOE_GROUPED_PREFETCH", "0") == "1",
+    prefetch_dn=os.environ.get("DS4_MOE_GROUPED_PREFETCH_DN", "0") == "1",
 )
 
 
@@ -668,8 +714,8 @@ def moe_gate_up_grouped(
         *iq2_tables(x.device, cfg.grid16, cfg.prmt),
         runs.order, runs.eid, runs.offsets, out, k, B * k, E, F, K, B * K // 8, float(clamp),
         BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg),
-        SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, SMEM=cfg.smem, LDS=cfg.lds,
-        num_warps=cfg.warps, launch_pdl=PDL,
+        SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, SMEM=cfg.smem,
+        LDS=cfg.lds_rep if cfg.lds else 0, PREFETCH=cfg.prefetch, num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     return out
 
@@ -725,7 +771,9 @@ def moe_down_grouped(
         return part if per_slot else part.sum(1)
     if cfg.pair_down:
         mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped").view(B, k, F)
-        pair = replace(DOWN, bn=cfg.bn_pair_dn, int8=True, terms=cfg.terms, dp4a=cfg.dp4a)
+        pair = replace(
+            DOWN, bn=cfg.bn_pair_dn, int8=True, terms=cfg.terms, dp4a=cfg.dp4a, prefetch=cfg.prefetch_dn
+        )
         order = (runs or expert_runs(ids, E)).order if cfg.sorted_down else None
         part = moe_down_slots(mid, weights, wd, ids, pair, order)
         return part if per_slot else part.sum(1)

@@ -165,17 +165,35 @@ def _variants() -> dict[str, dict]:
         "grouped prmt16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, grid16=True)},
         "grouped smem1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=1)},
         "grouped smem2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2)},
-        "grouped lds": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True)},
-        "grouped lds math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, sign_math=True)},
+        "grouped lds": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=1)},
+        "grouped tables l1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=False, lds_rep=1)},
+        "grouped lds math": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=1, sign_math=True)
+        },
         "grouped chain preg": {
             (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, chain=True, pos_reg=True)
         },
-        "grouped lds preg": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, pos_reg=True)},
+        "grouped lds preg": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=1, pos_reg=True)
+        },
+        "grouped lds x16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=16)},
+        "grouped lds x8": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=8)},
+        "grouped prefetch": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, prefetch=True)},
+        "grouped prefetch pt2": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, prefetch=True, pairs=2)
+        },
+        "grouped prefetch dn": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, prefetch=True, prefetch_dn=True)
+        },
         "grouped lds chain preg": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, chain=True, pos_reg=True)
+            (moe_grouped, "CONFIG"): replace(
+                moe_grouped.CONFIG, lds=True, lds_rep=1, chain=True, pos_reg=True
+            )
         },
         "grouped lcp bn32": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_gu=32, lds=True, chain=True, pos_reg=True)
+            (moe_grouped, "CONFIG"): replace(
+                moe_grouped.CONFIG, bn_gu=32, lds=True, lds_rep=1, chain=True, pos_reg=True
+            )
         },
         "grouped lcp bn32 pt2": {
             (moe_grouped, "CONFIG"): replace(

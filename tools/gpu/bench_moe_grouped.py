@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -78,6 +79,18 @@ GU_VARIANTS = [
     # twice the weights (the engine's at bn 32: 424 at one pair, 813 at 4)
     GroupedConfig(bn_gu=32, prmt=True, sign_math=False, lds=True, chain=True, pos_reg=True),
     GroupedConfig(bn_gu=32, pairs=2, prmt=True, sign_math=False, lds=True, chain=True, pos_reg=True),
+    # session 25 (H100: session 24's variants all slower at B = 32, so not issue-bound but short of bytes in
+    # flight): super-block kt + 1's bytes loaded before kt is decoded, alone, with the shared tables, and at
+    # two pairs a program (more programs, each with two blocks in flight)
+    replace(moe_grouped.CONFIG, prefetch=True),
+    replace(moe_grouped.CONFIG, prefetch=True, lds=True),
+    replace(moe_grouped.CONFIG, prefetch=True, pairs=2),
+    # the shared tables in 8 / 16 copies, lane l reading copy l % copies: ~2 wavefronts a warp's lookup
+    # instead of ~3.5 (the gathers were ~87 % of the kernel's L1 requests, session 14)
+    replace(moe_grouped.CONFIG, lds=True, lds_rep=16),  # on since session 25
+    replace(moe_grouped.CONFIG, lds=True, lds_rep=8),
+    replace(moe_grouped.CONFIG, lds=True, lds_rep=16, pairs=2),
+    replace(moe_grouped.CONFIG, lds=False, lds_rep=1),  # the default before session 25: L1 gathers
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -86,9 +99,10 @@ DN_VARIANTS = [
     GroupedConfig(bn_dn=128, pairs_dn=4),
     GroupedConfig(bn_dn=64),  # session 8's default (session 9: bn 128)
     GroupedConfig(bn_dn=128),
+    replace(moe_grouped.CONFIG, prefetch_dn=True),  # session 25: the pair down kernel's prefetch
 ]
-if "--latest" in sys.argv:  # the engine's configs and this session's gate/up variants (the time budget)
-    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-5:]], DN_VARIANTS[:1]
+if "--latest" in sys.argv:  # the engine's configs and this session's variants (the time budget)
+    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-3:]], DN_VARIANTS[:1]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")
@@ -118,10 +132,13 @@ def route(b: int, bias: torch.Tensor) -> torch.Tensor:
 def gu_label(c: GroupedConfig) -> str:
     extra = (" math" if c.sign_math else " masks") + " g16" * c.grid16 + " prmt" * c.prmt
     extra += " chain" * c.chain + " preg" * c.pos_reg + f" smem{c.smem}" * bool(c.smem) + " lds" * c.lds
-    return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}"
+    extra += f" x{c.lds_rep}" * (c.lds_rep > 1)
+    return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}" + " pf" * c.prefetch
 
 
 def dn_label(c: GroupedConfig) -> str:
+    if c.pair_down:  # moe.py's pair kernel at the grouped config's tile
+        return f"grouped/pair bn{c.bn_pair_dn}" + " sorted" * c.sorted_down + " pf" * c.prefetch_dn
     return f"grouped bn{c.bn_dn} pt{c.pairs_dn} w{c.warps}"
 
 
@@ -354,7 +371,9 @@ def _gu_build(c: GroupedConfig, pairs: int) -> tuple[dict[str, str], dict]:
     tab = "*i16" if c.grid16 else "*i32" if c.prmt else "*i64"
     sig = {**_GU_SIG, "tab64": tab, "ksm": "*i32" if c.prmt else "*i64"}
     consts = {"BN": c.bn_gu, "PT": pairs, "CLAMP": True, "TERMS": c.terms, "DP4A": True}
-    consts |= {"SIGN_MATH": c.sign_math, "CHAIN": c.chain, "POS_REG": c.pos_reg, "SMEM": c.smem, "LDS": c.lds}
+    consts |= {"SIGN_MATH": c.sign_math, "CHAIN": c.chain, "POS_REG": c.pos_reg, "SMEM": c.smem}
+    consts["LDS"] = c.lds_rep if c.lds else 0
+    consts["PREFETCH"] = c.prefetch
     return sig, consts
 
 

@@ -1,0 +1,20 @@
+#!/bin/bash
+# Session 25: the grouped gate/up's tables in 16 shared copies (moe_grouped.CONFIG lds_rep 16, on from the
+# H100's 30-layer steps: B = 16 / 32 x1.021 / x1.013), and the bars at the defaults on the whole model.
+#   part a (H200, the whole q2 model): the grouped and official-model GPU tests, the ds4-bench sweep 2k / 64k
+#           (issue 5's bars), then B = 1 / 16 / 32 steps at 8k with the L1 gathers as the variant (issue 8's).
+#   part b (H100 or H200, first 30 layers): the same steps with the old tables as the variant, 3 rounds.
+# Usage: bash tools/gpu/session25.sh a|b
+source "$(dirname "$0")/session_lib.sh"
+if [ "$1" = a ]; then
+  TAIL=3 run tests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
+    tests/test_cuda_backend.py -k "variants or prefetch or flash or match or official"
+  TAIL=6 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
+    --step-mul 32 -n 64
+  TAIL=10 run steps "$(left)" python3 tools/gpu/batch_check.py --variants "grouped tables l1" \
+    --batches 1,16,32 --ctx 8192 --steps 16
+fi
+if [ "$1" = b ]; then
+  TAIL=12 run steps "$(left)" python3 tools/gpu/batch_check.py --layers 30 --variants "grouped tables l1" \
+    --batches 16,32 --ctx 8192 --steps 16 --rounds 3
+fi
