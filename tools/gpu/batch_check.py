@@ -162,9 +162,11 @@ def _variants() -> dict[str, dict]:
         "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)},
         "grouped down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pair_down=False)},
         "grouped sign math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sign_math=True)},
-        "grouped prmt16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, grid16=True)},
-        "grouped smem1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=1)},
-        "grouped smem2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2)},
+        "grouped prmt16": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, grid16=True, lds=False, lds_rep=1)
+        },
+        "grouped smem1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=1, lds=False, lds_rep=1)},
+        "grouped smem2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2, lds=False, lds_rep=1)},
         "grouped lds": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=1)},
         "grouped tables l1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=False, lds_rep=1)},
         "grouped lds math": {

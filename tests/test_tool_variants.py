@@ -1,0 +1,36 @@
+"""The GPU timing tools' variant tables build on any machine: every named variant of tools/gpu/batch_check.py
+and ab_decode.py is a valid configuration of today's defaults (a variant that replaces one field of a
+default config can become invalid when another default moves: batch_check.py then stops before timing
+anything, on the device), and bench_moe_grouped.py's variants and labels are valid and distinct."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "gpu"))
+
+
+def test_batch_check_variants_build():
+    import batch_check  # noqa: PLC0415 - tools/gpu on sys.path above
+
+    table = batch_check._variants()
+    assert "grouped tables l1" in table and len(table) > 10
+    for name, sets in table.items():
+        assert sets or name == "default", name  # each variant but the default changes something
+
+
+def test_ab_decode_switches_are_valid():
+    import ab_decode  # noqa: PLC0415
+
+    assert "tail torch" in ab_decode.SWITCHES
+    assert all(ab_decode.SWITCHES.values())
+
+
+def test_bench_moe_grouped_labels_distinct():
+    import bench_moe_grouped as bmg  # noqa: PLC0415
+
+    labels = [bmg.gu_label(c) for c in bmg.GU_VARIANTS]
+    # the engine's config first; the session-25 variants are told apart by their labels
+    assert bmg.GU_VARIANTS[0].lds_rep == 16 and " x16" in labels[0]
+    assert len(set(labels[-4:])) == 4
