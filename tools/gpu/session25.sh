@@ -4,7 +4,8 @@
 #   part a (H200, the whole q2 model): the grouped and official-model GPU tests, the ds4-bench sweep 2k / 64k
 #           (issue 5's bars), then B = 1 / 16 / 32 steps at 8k with the L1 gathers as the variant (issue 8's).
 #   part b (H100 or H200, first 30 layers): the same steps with the old tables as the variant, 3 rounds.
-# Usage: bash tools/gpu/session25.sh a|b
+#   part c (H200, little device time left): part a without the tests and the check.
+# Usage: bash tools/gpu/session25.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
@@ -17,4 +18,10 @@ fi
 if [ "$1" = b ]; then
   TAIL=12 run steps "$(left)" python3 tools/gpu/batch_check.py --layers 30 --variants "grouped tables l1" \
     --batches 16,32 --ctx 8192 --steps 16 --rounds 3
+fi
+if [ "$1" = c ]; then
+  TAIL=6 run sweep 170 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
+    --step-mul 32 -n 64
+  TAIL=6 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --variants "grouped tables l1" \
+    --batches 1,32 --ctx 8192 --steps 16
 fi
