@@ -552,47 +552,60 @@ def _lds_fill(nib, snib, PTX: tl.constexpr, REP: tl.constexpr = 1):
 # call); the tables are 384 words, the static array 384 REP words (24 KB at REP 16).
 @triton.jit
 def _lds_fill_rep(nib, snib, REP: tl.constexpr):
-    """_lds_fill for REP copies (8 or 16): each thread stores its word of every 128-word chunk REP times,
-    copy (t + r) % REP at step r, so a warp's stores spread over the banks."""
+    """_lds_fill for REP copies (8, 16; 32: the grid nibbles in 32 copies, the sign nibbles in 16 from word
+    8192, 40 KB): each thread stores its word of every 128-word chunk once a copy."""
     if REP == 8:
         tl.inline_asm_elementwise(
             ".shared .align 16 .b32 ds4_iq2_tabs[3072];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
             dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
-    else:
-        tl.static_assert(REP == 16, "lds_rep: 8 or 16 copies")
+    elif REP == 16:
         tl.inline_asm_elementwise(
             ".shared .align 16 .b32 ds4_iq2_tabs[6144];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
             dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
-    for j in tl.static_range(3):
+    else:
+        tl.static_assert(REP == 32, "lds_rep: 8, 16 or 32 copies")
+        tl.inline_asm_elementwise(
+            ".shared .align 16 .b32 ds4_iq2_tabs[10240];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    for j in tl.static_range(2):
         t = j * 128 + tl.arange(0, 128)
-        v = tl.load(nib + t) if j < 2 else tl.load(snib + (t - 256))
-        for r in tl.static_range(REP):
-            tl.inline_asm_elementwise(
-                "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; st.shared.b32 [a], $2;"
-                " mov.u32 $0, 0; }", "=r,r,r", [t * REP + (t + r) % REP, v], dtype=tl.int32, is_pure=False,
-                pack=1,
-            )  # fmt: skip
+        _store_copies(t * REP, t, tl.load(nib + t), REP)
+    s = tl.arange(0, 128)
+    if REP == 32:
+        _store_copies(8192 + s * 16, s, tl.load(snib + s), 16)
+    else:
+        _store_copies((256 + s) * REP, s, tl.load(snib + s), REP)
     tl.debug_barrier()
 
 
 @triton.jit
+def _store_copies(word0, t, v, N: tl.constexpr):
+    """v into N consecutive shared words from word0, copy (t + r) % N at step r: a warp's consecutive t
+    spread over the banks."""
+    for r in tl.static_range(N):
+        tl.inline_asm_elementwise(
+            "{ .reg .u32 a; mov.u32 a, ds4_iq2_tabs; mad.lo.u32 a, $1, 4, a; st.shared.b32 [a], $2;"
+            " mov.u32 $0, 0; }", "=r,r,r", [word0 + (t + r) % N, v], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _lds_rep(i, SIGN: tl.constexpr, REP: tl.constexpr):
-    """_lds from the replicated tables: word i's copy lane % REP. The lane's byte offset into the table is
-    one pure asm of a constant operand, so LLVM computes it once per kernel (CSE, hoisted from the loop)."""
+    """_lds from the replicated tables: word i's copy lane % copies. The lane's byte offset into the table
+    is one pure asm of a constant operand, so LLVM computes it once per kernel (CSE, hoisted from the
+    loop)."""
     i = i.to(tl.int32)
     zero = i * 0
-    if REP == 16:
+    if REP == 32 and not SIGN:
         off = _asm1(
-            "{ .reg .u32 l; mov.u32 l, %laneid; and.b32 l, l, 15; mov.u32 $0, ds4_iq2_tabs;"
-            " mad.lo.u32 $0, l, 4, $0; add.u32 $0, $0, $1; }", zero,
+            "{ .reg .u32 l; mov.u32 l, %laneid; mov.u32 $0, ds4_iq2_tabs; mad.lo.u32 $0, l, 4, $0;"
+            " add.u32 $0, $0, $1; }", zero,
         )  # fmt: skip
-        if SIGN:  # the sign nibbles from word 256 REP: the load's immediate
-            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 64, $2; ld.shared.b32 $0, [a+16384]; }", i, off)
-        else:
-            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 64, $2; ld.shared.b32 $0, [a]; }", i, off)
-    else:
+        w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 128, $2; ld.shared.b32 $0, [a]; }", i, off)
+    elif REP == 8:
         off = _asm1(
             "{ .reg .u32 l; mov.u32 l, %laneid; and.b32 l, l, 7; mov.u32 $0, ds4_iq2_tabs;"
             " mad.lo.u32 $0, l, 4, $0; add.u32 $0, $0, $1; }", zero,
@@ -601,6 +614,17 @@ def _lds_rep(i, SIGN: tl.constexpr, REP: tl.constexpr):
             w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 32, $2; ld.shared.b32 $0, [a+8192]; }", i, off)
         else:
             w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 32, $2; ld.shared.b32 $0, [a]; }", i, off)
+    else:  # 16 copies (REP 16, or REP 32's sign nibbles)
+        off = _asm1(
+            "{ .reg .u32 l; mov.u32 l, %laneid; and.b32 l, l, 15; mov.u32 $0, ds4_iq2_tabs;"
+            " mad.lo.u32 $0, l, 4, $0; add.u32 $0, $0, $1; }", zero,
+        )  # fmt: skip
+        if SIGN and REP == 32:  # the sign nibbles from word 8192: the load's immediate
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 64, $2; ld.shared.b32 $0, [a+32768]; }", i, off)
+        elif SIGN:  # from word 256 REP
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 64, $2; ld.shared.b32 $0, [a+16384]; }", i, off)
+        else:
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 64, $2; ld.shared.b32 $0, [a]; }", i, off)
     return w
 
 

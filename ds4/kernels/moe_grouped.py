@@ -487,7 +487,8 @@ class GroupedConfig:
     smem: int = 0  # gate/up, prmt: the tables looked up by tl.gather (shared memory, _prmt_smem): 1 two
     # lookups per group, 2 one joined lookup in a [512] table (half the table stores and barriers)
     lds: bool = False  # gate/up, prmt: the nibble tables from a static shared copy (moe._lds_fill, PTX)
-    # gate/up, lds: copies of the shared tables, lane l reading copy l % lds_rep (moe._lds_fill_rep): 1, 8, 16
+    # gate/up, lds: copies of the shared tables, lane l reading copy l % lds_rep (moe._lds_fill_rep): 1, 8,
+    # 16; 32: the grid nibbles in 32 copies (no bank conflicts), the sign nibbles in 16
     lds_rep: int = 1
     # gate/up: super-block kt + 1's bytes loaded (kept raw, moe._iq2_raw) before kt is decoded, so a program
     # has two blocks' loads in flight instead of waiting on each: the k loop is bound by bytes in flight
@@ -508,8 +509,10 @@ class GroupedConfig:
             raise ValueError("GroupedConfig: smem needs the nibble tables (prmt, no grid16, no sign_math)")
         if self.lds and not (self.prmt and not self.grid16 and not self.smem):
             raise ValueError("GroupedConfig: lds needs the nibble tables (prmt; no grid16, smem)")
-        if self.lds_rep not in (1, 8, 16) or (self.lds_rep > 1 and not self.lds):
-            raise ValueError(f"GroupedConfig.lds_rep must be 1, 8 or 16 (> 1 with lds), got {self.lds_rep}")
+        if self.lds_rep not in (1, 8, 16, 32) or (self.lds_rep > 1 and not self.lds):
+            raise ValueError(
+                f"GroupedConfig.lds_rep must be 1, 8, 16 or 32 (> 1 with lds), got {self.lds_rep}"
+            )
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
 
@@ -550,8 +553,9 @@ class GroupedConfig:
 # lookups do. The shared tables in 16 copies (lds_rep 16, lane l reading copy l % 16: 2 wavefronts a
 # warp's lookup where one copy takes ~3.5; 80 registers, 25 KB shared): per layer B = 8 / 16 / 32 151.6 /
 # 281.2 / 509.1 vs 161.8 / 292.6 / 520.8 us, steps B = 16 / 32 20.52 / 33.37 vs 20.94 / 33.82 ms (x1.021 /
-# x1.013): on (env DS4_MOE_GROUPED_LDS=0: the L1 gathers; DS4_MOE_GROUPED_LDS_REP=1: one shared copy). 8
-# copies (4-way conflicts remain): x0.976.
+# x1.013; 3 rounds with the L1 gathers as the variant: x1.009 / x1.011): on (env DS4_MOE_GROUPED_LDS=0: the
+# L1 gathers; DS4_MOE_GROUPED_LDS_REP=1: one shared copy). 8 copies (4-way conflicts remain): B = 32 551.6
+# us, steps x0.981 / x0.976; 32 copies of the grid nibbles (116 registers): 568.9 us.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 _LDS = _PRMT and os.environ.get("DS4_MOE_GROUPED_LDS", "1") == "1"
 CONFIG = GroupedConfig(

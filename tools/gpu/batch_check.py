@@ -179,6 +179,7 @@ def _variants() -> dict[str, dict]:
             (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=1, pos_reg=True)
         },
         "grouped lds x16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=16)},
+        "grouped lds x32": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=32)},
         "grouped lds x8": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=8)},
         "grouped prefetch": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, prefetch=True)},
         "grouped prefetch pt2": {

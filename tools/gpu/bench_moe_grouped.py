@@ -91,6 +91,7 @@ GU_VARIANTS = [
     replace(moe_grouped.CONFIG, lds=True, lds_rep=8),
     replace(moe_grouped.CONFIG, lds=True, lds_rep=16, pairs=2),
     replace(moe_grouped.CONFIG, lds=False, lds_rep=1),  # the default before session 25: L1 gathers
+    replace(moe_grouped.CONFIG, lds=True, lds_rep=32),  # the grid lookups without conflicts (40 KB)
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's

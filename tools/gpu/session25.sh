@@ -16,8 +16,10 @@ if [ "$1" = a ]; then
     --batches 1,16,32 --ctx 8192 --steps 16
 fi
 if [ "$1" = b ]; then
-  TAIL=12 run steps "$(left)" python3 tools/gpu/batch_check.py --layers 30 --variants "grouped tables l1" \
-    --batches 16,32 --ctx 8192 --steps 16 --rounds 3
+  TAIL=3 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
+    tests/test_cuda_batch.py -k "variants or prefetch or flash or match or batch or official"
+  TAIL=14 run steps "$(left)" python3 tools/gpu/batch_check.py --layers 30 --variants "grouped tables l1" \
+    --batches 16,32 --ctx 8192 --steps 16 --rounds 3 --check-batches 1,3,16
 fi
 if [ "$1" = c ]; then
   TAIL=6 run sweep 170 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
