@@ -490,6 +490,10 @@ class GroupedConfig:
     # gate/up, lds: copies of the shared tables, lane l reading copy l % lds_rep (moe._lds_fill_rep): 1, 8,
     # 16; 32: the grid nibbles in 32 copies (no bank conflicts), the sign nibbles in 16
     lds_rep: int = 1
+    # gate/up: a register cap for ptxas (Triton's maxnreg; 0: none). sm_90 builds: lds_rep 16 at 64 registers
+    # (80 uncapped: 6 programs an SM of the 8 that 25 KB of shared memory allows) without spills, k loop
+    # 212 / 287 / 431 instructions at 1 / 2 / 4 pairs (209 / 265 / 434); lds_rep 32 at 64 (116) likewise
+    maxnreg: int = 0
     # gate/up: super-block kt + 1's bytes loaded (kept raw, moe._iq2_raw) before kt is decoded, so a program
     # has two blocks' loads in flight instead of waiting on each: the k loop is bound by bytes in flight
     # (session 25: fewer instructions at more registers, session 24's variants, were slower)
@@ -509,6 +513,8 @@ class GroupedConfig:
             raise ValueError("GroupedConfig: smem needs the nibble tables (prmt, no grid16, no sign_math)")
         if self.lds and not (self.prmt and not self.grid16 and not self.smem):
             raise ValueError("GroupedConfig: lds needs the nibble tables (prmt; no grid16, smem)")
+        if self.maxnreg < 0:
+            raise ValueError(f"GroupedConfig.maxnreg must be >= 0 (0: no cap), got {self.maxnreg}")
         if self.lds_rep not in (1, 8, 16, 32) or (self.lds_rep > 1 and not self.lds):
             raise ValueError(
                 f"GroupedConfig.lds_rep must be 1, 8, 16 or 32 (> 1 with lds), got {self.lds_rep}"
@@ -720,6 +726,7 @@ def moe_gate_up_grouped(
         BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg),
         SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, SMEM=cfg.smem,
         LDS=cfg.lds_rep if cfg.lds else 0, PREFETCH=cfg.prefetch, num_warps=cfg.warps, launch_pdl=PDL,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and x.is_cuda else {}),  # the interpreter takes no cap
     )  # fmt: skip
     return out
 

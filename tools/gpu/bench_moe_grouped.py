@@ -92,6 +92,10 @@ GU_VARIANTS = [
     replace(moe_grouped.CONFIG, lds=True, lds_rep=16, pairs=2),
     replace(moe_grouped.CONFIG, lds=False, lds_rep=1),  # the default before session 25: L1 gathers
     replace(moe_grouped.CONFIG, lds=True, lds_rep=32),  # the grid lookups without conflicts (40 KB)
+    # ptxas capped at 64 registers (sm_90: no spills): 8 programs an SM at 16 copies instead of 6, and 32
+    # copies at the 5 that their 41 KB allow
+    replace(moe_grouped.CONFIG, maxnreg=64),
+    replace(moe_grouped.CONFIG, lds_rep=32, maxnreg=64),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -103,7 +107,7 @@ DN_VARIANTS = [
     replace(moe_grouped.CONFIG, prefetch_dn=True),  # session 25: the pair down kernel's prefetch
 ]
 if "--latest" in sys.argv:  # the engine's configs and this session's variants (the time budget)
-    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-3:]], DN_VARIANTS[:1]
+    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-4:]], DN_VARIANTS[:1]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")
@@ -133,7 +137,7 @@ def route(b: int, bias: torch.Tensor) -> torch.Tensor:
 def gu_label(c: GroupedConfig) -> str:
     extra = (" math" if c.sign_math else " masks") + " g16" * c.grid16 + " prmt" * c.prmt
     extra += " chain" * c.chain + " preg" * c.pos_reg + f" smem{c.smem}" * bool(c.smem) + " lds" * c.lds
-    extra += f" x{c.lds_rep}" * (c.lds_rep > 1)
+    extra += f" x{c.lds_rep}" * (c.lds_rep > 1) + f" r{c.maxnreg}" * bool(c.maxnreg)
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}" + " pf" * c.prefetch
 
 
@@ -322,7 +326,7 @@ _DN_SIG = {
 _DIV16 = ("E", "F", "K", "D", "xplane", "n_pairs")
 
 
-def _compile(fn, sig: dict[str, str], consts: dict, warps: int):
+def _compile(fn, sig: dict[str, str], consts: dict, warps: int, maxnreg: int = 0):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -330,7 +334,8 @@ def _compile(fn, sig: dict[str, str], consts: dict, warps: int):
     div = [i for i, n in enumerate(fn.arg_names) if full[n].startswith("*") or n in _DIV16]
     attrs = {(i,): [["tt.divisibility", 16]] for i in div}
     src = ASTSource(fn, signature=full, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    opts = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def _sass_stats(cubin: bytes) -> tuple[str, int, int]:
@@ -393,7 +398,9 @@ def compile_only() -> None:
             try:
                 sig, consts = _gu_build(c, pt)
                 res, n, _ = _sass_stats(
-                    _compile(moe_grouped._gate_up_grouped_kernel, sig, consts, c.warps).asm["cubin"]
+                    _compile(moe_grouped._gate_up_grouped_kernel, sig, consts, c.warps, c.maxnreg).asm[
+                        "cubin"
+                    ]
                 )
             except Exception as exc:  # noqa: BLE001 - report every kernel
                 ok = False

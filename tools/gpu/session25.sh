@@ -5,7 +5,9 @@
 #           (issue 5's bars), then B = 1 / 16 / 32 steps at 8k with the L1 gathers as the variant (issue 8's).
 #   part b (H100 or H200, first 30 layers): the same steps with the old tables as the variant, 3 rounds.
 #   part c (H200, little device time left): part a without the tests and the check.
-# Usage: bash tools/gpu/session25.sh a|b|c
+#   part d (prepared after the device time was spent; H100 or H200): the grouped gate/up capped at 64
+#           registers (16 copies: 8 programs an SM instead of 6; 32 copies: 5), its tests, the bench, steps.
+# Usage: bash tools/gpu/session25.sh a|b|c|d
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
@@ -26,4 +28,11 @@ if [ "$1" = c ]; then
     --step-mul 32 -n 64
   TAIL=6 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --variants "grouped tables l1" \
     --batches 1,32 --ctx 8192 --steps 16
+fi
+if [ "$1" = d ]; then
+  TAIL=3 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
+    -k "variants_change_no_bit"
+  TAIL=24 run bench1 100 python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
+  TAIL=10 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+    --variants "grouped r64,grouped lds x32 r64" --batches 16,32 --ctx 8192 --steps 16
 fi
