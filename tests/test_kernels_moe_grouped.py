@@ -127,6 +127,7 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"prmt": True, "lds": True, "lds_rep": 16},
         {"prmt": True, "lds": True, "lds_rep": 32},
         {"prmt": True, "lds": True, "lds_rep": 16, "maxnreg": 64},
+        {"prmt": True, "lds": True, "lds_rep": 16, "sign_math": True},
         {"prmt": True, "lds": True, "lds_rep": 8, "pos_reg": True},
     ],
     ids=lambda v: "+".join(v),

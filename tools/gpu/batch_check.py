@@ -181,6 +181,9 @@ def _variants() -> dict[str, dict]:
         "grouped lds x16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=16)},
         "grouped lds x32": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=32)},
         "grouped r64": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, maxnreg=64)},
+        "grouped math r64": {
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sign_math=True, maxnreg=64)
+        },
         "grouped lds x32 r64": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds_rep=32, maxnreg=64)},
         "grouped lds x8": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=8)},
         "grouped prefetch": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, prefetch=True)},

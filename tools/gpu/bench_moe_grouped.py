@@ -96,6 +96,8 @@ GU_VARIANTS = [
     # copies at the 5 that their 41 KB allow
     replace(moe_grouped.CONFIG, maxnreg=64),
     replace(moe_grouped.CONFIG, lds_rep=32, maxnreg=64),
+    # one lookup a group instead of two: the sign nibbles computed (~16 ALU ops), the grid's from the copies
+    replace(moe_grouped.CONFIG, sign_math=True, maxnreg=64),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -107,7 +109,7 @@ DN_VARIANTS = [
     replace(moe_grouped.CONFIG, prefetch_dn=True),  # session 25: the pair down kernel's prefetch
 ]
 if "--latest" in sys.argv:  # the engine's configs and this session's variants (the time budget)
-    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-4:]], DN_VARIANTS[:1]
+    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-5:]], DN_VARIANTS[:1]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")

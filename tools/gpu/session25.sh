@@ -6,7 +6,8 @@
 #   part b (H100 or H200, first 30 layers): the same steps with the old tables as the variant, 3 rounds.
 #   part c (H200, little device time left): part a without the tests and the check.
 #   part d (prepared after the device time was spent; H100 or H200): the grouped gate/up capped at 64
-#           registers (16 copies: 8 programs an SM instead of 6; 32 copies: 5), its tests, the bench, steps.
+#           registers (16 copies: 8 programs an SM instead of 6; 32 copies: 5; 16 copies of the grid nibbles
+#           with the sign nibbles computed), its tests, the bench, steps.
 # Usage: bash tools/gpu/session25.sh a|b|c|d
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
@@ -34,5 +35,5 @@ if [ "$1" = d ]; then
     -k "variants_change_no_bit"
   TAIL=24 run bench1 100 python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
   TAIL=10 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
-    --variants "grouped r64,grouped lds x32 r64" --batches 16,32 --ctx 8192 --steps 16
+    --variants "grouped r64,grouped lds x32 r64,grouped math r64" --batches 16,32 --ctx 8192 --steps 16
 fi
