@@ -495,8 +495,7 @@ class GroupedConfig:
     # 212 / 287 / 431 instructions at 1 / 2 / 4 pairs (209 / 265 / 434); lds_rep 32 at 64 (116) likewise
     maxnreg: int = 0
     # gate/up: super-block kt + 1's bytes loaded (kept raw, moe._iq2_raw) before kt is decoded, so a program
-    # has two blocks' loads in flight instead of waiting on each: the k loop is bound by bytes in flight
-    # (session 25: fewer instructions at more registers, session 24's variants, were slower)
+    # has two blocks' loads in flight instead of waiting on each (session 25, H100: no gain, off; see CONFIG)
     prefetch: bool = False
     # down by the pair kernel (pair_down): its MoeConfig.prefetch (moe._q2k_q8k_down_kernel)
     prefetch_dn: bool = False
