@@ -555,7 +555,7 @@ class GroupedConfig:
 # 8k ctx, 2 x 16 steps): session 24's variants all slower at B = 32 (per layer 544-562 vs 521 us; steps
 # x0.964 / x0.977), and so is super-block kt + 1 loaded ahead (prefetch: 528 vs 520 us, step x1.000; the pair
 # down kernel's prefetch 532 vs 193 us): neither issue nor loads in flight bound the k loop, the table
-# lookups do. The shared tables in 16 copies (lds_rep 16, lane l reading copy l % 16: 2 wavefronts a
+# lookups did (L1 gathers; one shared copy: bank conflicts). The shared tables in 16 copies (lds_rep 16, lane l reading copy l % 16: 2 wavefronts a
 # warp's lookup where one copy takes ~3.5; 80 registers, 25 KB shared): per layer B = 8 / 16 / 32 151.6 /
 # 281.2 / 509.1 vs 161.8 / 292.6 / 520.8 us, steps B = 16 / 32 20.52 / 33.37 vs 20.94 / 33.82 ms (x1.021 /
 # x1.013; 3 rounds with the L1 gathers as the variant: x1.009 / x1.011): on (env DS4_MOE_GROUPED_LDS=0: the
