@@ -553,14 +553,15 @@ class GroupedConfig:
 # thread) 319 / 423 / 616 for twice the weights. Env DS4_MOE_GROUPED_BN_GU / _PAIRS: the tile.
 # Session 25 (H100 80GB HBM3; per layer: bench_moe_grouped.py --latest; steps: batch_check.py --layers 30,
 # 8k ctx, 2 x 16 steps): session 24's variants all slower at B = 32 (per layer 544-562 vs 521 us; steps
-# x0.964 / x0.977), and so is super-block kt + 1 loaded ahead (prefetch: 528 vs 520 us, step x1.000; the pair
-# down kernel's prefetch 532 vs 193 us): neither issue nor loads in flight bound the k loop, the table
-# lookups did (L1 gathers; one shared copy: bank conflicts). The shared tables in 16 copies (lds_rep 16, lane l reading copy l % 16: 2 wavefronts a
-# warp's lookup where one copy takes ~3.5; 80 registers, 25 KB shared): per layer B = 8 / 16 / 32 151.6 /
-# 281.2 / 509.1 vs 161.8 / 292.6 / 520.8 us, steps B = 16 / 32 20.52 / 33.37 vs 20.94 / 33.82 ms (x1.021 /
-# x1.013; 3 rounds with the L1 gathers as the variant: x1.009 / x1.011): on (env DS4_MOE_GROUPED_LDS=0: the
-# L1 gathers; DS4_MOE_GROUPED_LDS_REP=1: one shared copy). 8 copies (4-way conflicts remain): B = 32 551.6
-# us, steps x0.981 / x0.976; 32 copies of the grid nibbles (116 registers): 568.9 us.
+# x0.964 / x0.977), and so is super-block kt + 1 loaded ahead (prefetch: 528 vs 520 us, step x1.000; the
+# pair down kernel's prefetch 532 vs 193 us): neither issue nor loads in flight bound the k loop, the table
+# lookups did (L1 gathers; one shared copy: bank conflicts). The shared tables in 16 copies (lds_rep 16,
+# lane l reading copy l % 16: 2 wavefronts a warp's lookup where one copy takes ~3.5; 80 registers, 25 KB
+# shared): per layer B = 8 / 16 / 32 151.6 / 281.2 / 509.1 vs 161.8 / 292.6 / 520.8 us, steps B = 16 / 32
+# 20.52 / 33.37 vs 20.94 / 33.82 ms (x1.021 / x1.013; 3 rounds with the L1 gathers as the variant: x1.009 /
+# x1.011): on (env DS4_MOE_GROUPED_LDS=0: the L1 gathers; DS4_MOE_GROUPED_LDS_REP=1: one shared copy). 8
+# copies (4-way conflicts remain): B = 32 551.6 us, steps x0.981 / x0.976; 32 copies of the grid nibbles
+# (116 registers): 568.9 us.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 _LDS = _PRMT and os.environ.get("DS4_MOE_GROUPED_LDS", "1") == "1"
 CONFIG = GroupedConfig(
