@@ -77,24 +77,15 @@ MAX_PT = 4  # pairs per program are unrolled by hand (separate accumulators) up 
 
 @triton.jit
 def _iq2_decode(
-    qs, sg, dd, tab64, ksm, wrow, kt, nb, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr,
-    nib_r=None, snib_r=None, SMEM: tl.constexpr = 0, LDS: tl.constexpr = False,
-):  # fmt: skip
-    """IQ2_XXS super-block kt of rows wrow [BN] (sg: the sub-block words as bytes), decoded once: (wlo, whi
-    [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7), ls [BN, 8] int32 =
-    2 ls + 1 per sub-block, d [BN] f32), as moe.py's _iq2_q8k_block decodes them (moe._signed_words: tab64 /
-    ksm the launcher's tables, SIGN_MATH the computed sign masks, PTX the byte permutes as PTX, POS_REG as
-    GroupedConfig.pos_reg, LDS the static shared tables of GroupedConfig.lds)."""
-    q, s, d = _iq2_raw(qs, sg, dd, wrow, kt, nb)  # moe._iq2_load's layout note: why the loads look as they do
-    return _iq2_decode_bytes(q, s, d, tab64, ksm, SIGN_MATH, PTX, POS_REG, nib_r, snib_r, SMEM, LDS)
-
-
-@triton.jit
-def _iq2_decode_bytes(
     q, s, d, tab64, ksm, SIGN_MATH: tl.constexpr, PTX: tl.constexpr, POS_REG: tl.constexpr, nib_r, snib_r,
     SMEM: tl.constexpr, LDS: tl.constexpr,
 ):  # fmt: skip
-    """_iq2_decode on a super-block's loaded bytes (moe._iq2_raw: q, s [BN, 32] u8, d [BN] f16)."""
+    """An IQ2_XXS super-block of BN rows from its loaded bytes (moe._iq2_raw: q, s [BN, 32] u8, d [BN] f16),
+    decoded once: (wlo, whi [BN, 8, 4] int32 signed grid bytes of group 4 sb + lg (elements 0-3 / 4-7),
+    ls [BN, 8] int32 = 2 ls + 1 per sub-block, d [BN] f32), as moe.py's _iq2_q8k_block decodes them
+    (moe._signed_words: tab64 / ksm the launcher's tables, SIGN_MATH the computed sign masks, PTX the byte
+    permutes as PTX, POS_REG as GroupedConfig.pos_reg, LDS the static shared tables of GroupedConfig.lds:
+    0 none, else lds_rep)."""
     idx, a1, d = _iq2_unpack(q, s, d)
     lg = tl.arange(0, 4)[None, None, :]
     si = (a1 >> (7 * lg)) & 127
@@ -290,10 +281,10 @@ def _gate_up_grouped_kernel(
         else:
             gq_c, gs_c, gd_c = _iq2_raw(gq, gs, gd, wrow, kt, nb)
             uq_c, us_c, ud_c = _iq2_raw(uq, us, ud, wrow, kt, nb)
-        wl, wh, ls, d = _iq2_decode_bytes(
+        wl, wh, ls, d = _iq2_decode(
             gq_c, gs_c, gd_c, tab64, ksm, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM, LDS
         )
-        vl, vh, ms, c = _iq2_decode_bytes(
+        vl, vh, ms, c = _iq2_decode(
             uq_c, us_c, ud_c, tab64, ksm, SIGN_MATH, DP4A, POS_REG, nib_r, snib_r, SMEM, LDS
         )
         g0 += _iq2_pair(wl, wh, ls, d, xw_ptr, dx_ptr, b0, kt, nb, xrow, xplane, xg, TERMS, DP4A, CHAIN)
