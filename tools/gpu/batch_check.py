@@ -141,6 +141,9 @@ def _variants() -> dict[str, dict]:
     from ds4.kernels import attend, fused, matvec, moe, moe_grouped
     from ds4.model.cuda import fused as cfused
 
+    def grouped(**fields) -> dict:  # the batched routed experts at moe_grouped.CONFIG with these fields
+        return {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, **fields)}
+
     return {
         "default": {},
         "hc comb main": {(cfused, "HC_COMB_SIDE"): False},  # the Sinkhorn inside the finish kernel
@@ -160,63 +163,37 @@ def _variants() -> dict[str, dict]:
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
         "hmv fixup": {(matvec, "HMV_LARGE"): replace(matvec.HMV_LARGE, fixup=True)},
         "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)},
-        "grouped down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pair_down=False)},
-        "grouped sign math": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sign_math=True)},
-        "grouped prmt16": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, grid16=True, lds=False, lds_rep=1)
-        },
-        "grouped smem1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=1, lds=False, lds_rep=1)},
-        "grouped smem2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, smem=2, lds=False, lds_rep=1)},
-        "grouped lds": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=1)},
-        "grouped tables l1": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=False, lds_rep=1)},
-        "grouped lds math": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=1, sign_math=True)
-        },
-        "grouped chain preg": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, chain=True, pos_reg=True)
-        },
-        "grouped lds preg": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=1, pos_reg=True)
-        },
-        "grouped lds x16": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=16)},
-        "grouped lds x32": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=32)},
-        "grouped r64": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, maxnreg=64)},
-        "grouped math r64": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sign_math=True, maxnreg=64)
-        },
-        "grouped lds x32 r64": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds_rep=32, maxnreg=64)},
-        "grouped lds x8": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, lds=True, lds_rep=8)},
-        "grouped prefetch": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, prefetch=True)},
-        "grouped prefetch pt2": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, prefetch=True, pairs=2)
-        },
-        "grouped prefetch dn": {
-            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, prefetch=True, prefetch_dn=True)
-        },
-        "grouped lds chain preg": {
-            (moe_grouped, "CONFIG"): replace(
-                moe_grouped.CONFIG, lds=True, lds_rep=1, chain=True, pos_reg=True
-            )
-        },
-        "grouped lcp bn32": {
-            (moe_grouped, "CONFIG"): replace(
-                moe_grouped.CONFIG, bn_gu=32, lds=True, lds_rep=1, chain=True, pos_reg=True
-            )
-        },
-        "grouped lcp bn32 pt2": {
-            (moe_grouped, "CONFIG"): replace(
-                moe_grouped.CONFIG, bn_gu=32, pairs=2, lds=True, chain=True, pos_reg=True
-            )
-        },
-        "grouped unsorted down": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, sorted_down=False)},
+        "grouped down": grouped(pair_down=False),
+        "grouped sign math": grouped(sign_math=True),
+        "grouped prmt16": grouped(grid16=True, lds=False, lds_rep=1),
+        "grouped smem1": grouped(smem=1, lds=False, lds_rep=1),
+        "grouped smem2": grouped(smem=2, lds=False, lds_rep=1),
+        "grouped lds": grouped(lds=True, lds_rep=1),
+        "grouped tables l1": grouped(lds=False, lds_rep=1),
+        "grouped lds math": grouped(lds=True, lds_rep=1, sign_math=True),
+        "grouped chain preg": grouped(chain=True, pos_reg=True),
+        "grouped lds preg": grouped(lds=True, lds_rep=1, pos_reg=True),
+        "grouped lds x16": grouped(lds=True, lds_rep=16),
+        "grouped lds x32": grouped(lds=True, lds_rep=32),
+        "grouped r64": grouped(maxnreg=64),
+        "grouped math r64": grouped(sign_math=True, maxnreg=64),
+        "grouped lds x32 r64": grouped(lds_rep=32, maxnreg=64),
+        "grouped lds x8": grouped(lds=True, lds_rep=8),
+        "grouped prefetch": grouped(prefetch=True),
+        "grouped prefetch pt2": grouped(prefetch=True, pairs=2),
+        "grouped prefetch dn": grouped(prefetch=True, prefetch_dn=True),
+        "grouped lds chain preg": grouped(lds=True, lds_rep=1, chain=True, pos_reg=True),
+        "grouped lcp bn32": grouped(bn_gu=32, lds=True, lds_rep=1, chain=True, pos_reg=True),
+        "grouped lcp bn32 pt2": grouped(bn_gu=32, pairs=2, lds=True, lds_rep=1, chain=True, pos_reg=True),
+        "grouped unsorted down": grouped(sorted_down=False),
         "side rows from 2": {(layer, "DECODE_ROWS"): 1},  # no merged side matrices above 1 row
         "q8 rows from 2": {(matvec, "Q8_ROWS_FROM"): 2},  # matvec.q8_rows instead of _qmv_kernel (from 3)
         "q8 rows from 5": {(matvec, "Q8_ROWS_FROM"): 5},
         "q8 rows from 9": {(matvec, "Q8_ROWS_FROM"): 9},  # before session 16
         "grouped from 8": {(batch, "MOE_GROUPED_MIN_ROWS"): 8},  # the int8 grouped experts from 8 rows
-        "pair down bn64": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_pair_dn=64)},
-        "grouped pt2": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, pairs=2)},
-        "grouped bn32 w8": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_gu=32, warps=8)},
+        "pair down bn64": grouped(bn_pair_dn=64),
+        "grouped pt2": grouped(pairs=2),
+        "grouped bn32 w8": grouped(bn_gu=32, warps=8),
         "rows w4": {(matvec, "Q8_ROWS"): replace(matvec.Q8_ROWS, warps=4)},  # wgmma (before session 15)
         "rows wide": {(matvec, "Q8_ROWS_WIDE"): replace(matvec.Q8_ROWS, **matvec.Q8_ROWS_WIDE_TILE)},
         "rows no wide": {(matvec, "Q8_ROWS_WIDE"): None},
