@@ -150,7 +150,7 @@ def test_grouped_decode_variants_change_no_bit(variant):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[2:], ids=["t2", "t1"])
-def test_grouped_pair_down_prefetch_changes_no_bit(cfg):
+def test_grouped_pair_down_prefetch_matches_plain_loop(cfg):
     """GroupedConfig.prefetch_dn (the pair down kernel loading block kt + 1 before computing kt; its partials
     kept per 16-byte group, so the f32 order differs) equals the plain loop's and the twin's within
     F32_TOL."""
