@@ -36,6 +36,10 @@ CONFIGS = [
     moe_grouped.GroupedConfig(bn_gu=32, bn_dn=64, pairs=2, pairs_dn=1, terms=1, warps=2),
     moe_grouped.GroupedConfig(bn_gu=16, pairs=4, pair_down=True),
     moe_grouped.GroupedConfig(bn_gu=32, pairs=2, terms=1, warps=2, pair_down=True),
+    # gate/up on the int8 tensor cores (one and two warps: 16 and 32 rows a program; the lane arithmetic of
+    # the fragments runs in the interpreter through _mma_rows, the PTX mma on a GPU)
+    moe_grouped.GroupedConfig(mma=True, prmt=True, warps=1, pair_down=True),
+    moe_grouped.GroupedConfig(mma=True, prmt=True, lds=True, lds_rep=16, warps=2, pair_down=True),
 ]
 
 
@@ -87,7 +91,8 @@ def test_expert_runs_kernel_equals_the_sort(B, k, E):
 
 
 def _cfg_id(c: moe_grouped.GroupedConfig) -> str:
-    return f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-{c.pairs_dn}-t{c.terms}" + "-pairdown" * c.pair_down
+    tile = f"mma-w{c.warps}" if c.mma else f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-{c.pairs_dn}"
+    return f"{tile}-t{c.terms}" + "-pairdown" * c.pair_down
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
@@ -149,7 +154,7 @@ def test_grouped_decode_variants_change_no_bit(variant):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[2:], ids=["t2", "t1"])
+@pytest.mark.parametrize("cfg", CONFIGS[2:4], ids=["t2", "t1"])
 def test_grouped_pair_down_prefetch_matches_plain_loop(cfg):
     """GroupedConfig.prefetch_dn (the pair down kernel loading block kt + 1 before computing kt; its partials
     kept per 16-byte group, so the f32 order differs) equals the plain loop's and the twin's within
@@ -192,6 +197,27 @@ def test_routed_grouped_other_ranks_experts_add_nothing(pair_down):
     want = ref.moe_down_q8k(mid_ref, weights * ok, wd, safe)
     assert rel_err(got, want) < CHAIN_TOL
     assert rel_err(got, ref.moe_down_q8k(mid_ref, weights, wd, safe)) > 1e-3  # the zeroing is visible
+
+
+def test_mma_gate_up_long_runs_and_other_ranks():
+    """The tensor-core gate/up (GroupedConfig.mma) where one expert has 6 pairs (split over two programs of
+    4 pair columns), ids outside [0, E) give zero rows, and the second row tile is partial (40 rows at 32 a
+    program): the valid rows equal the twin within F32_TOL, with and without the clamp."""
+    ids_l = [[4, 7, 2], [4, 4, -1], [2, 0, 4], [4, 1, 4]]
+    wg, wu, _, ids, x, _, _ = _case(40, 512, 16, ids_l, 64)
+    cfg = moe_grouped.GroupedConfig(mma=True, prmt=True, warps=2)
+    ok = (ids >= 0) & (ids < E)
+    safe = torch.where(ok, ids, 0)
+    for clamp in (0.0, 1.0):
+        mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, clamp, cfg)
+        assert torch.equal(mid[~ok], torch.zeros_like(mid[~ok]))
+        assert rel_err(mid[ok], ref.moe_gate_up_q8k(x, wg, wu, safe, clamp)[ok]) < F32_TOL
+
+
+def test_mma_config_needs_two_planes_and_nibbles():
+    for bad in ({"terms": 1, "prmt": True}, {"prmt": False}, {"prmt": True, "grid16": True}):
+        with pytest.raises(ValueError, match="mma needs"):
+            moe_grouped.GroupedConfig(mma=True, **bad)
 
 
 @pytest.mark.parametrize("down", ["grouped", "pair", "pair sorted"])
@@ -259,6 +285,9 @@ def test_flash_widths_match_pair_kernels_and_capture():
     mid_pairs = moe.moe_gate_up(x, wg, wu, ids, 10.0, gu_cfg)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0)
     assert rel_err(mid, mid_pairs) < F32_TOL
+    for warps, maxnreg in ((4, 0), (2, 0), (4, 96)):  # the tensor-core gate/up (mma.sync on the device)
+        cfg = replace(moe_grouped.CONFIG, mma=True, warps=warps, maxnreg=maxnreg)
+        assert rel_err(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg), mid_pairs) < F32_TOL
     for pair_down in (False, True):
         cfg = replace(moe_grouped.CONFIG, pair_down=pair_down)
         got = moe_grouped.moe_down_grouped(mid_pairs, w, wd, ids, cfg)

@@ -62,6 +62,7 @@ from .moe import (
     _prmt,
     _q2k_block,
     _q2k_scales,
+    _signed_words,
     _signed_words_sb,
     _split4,
     given_q8k,
@@ -322,6 +323,157 @@ def _gate_up_grouped_kernel(
         _gu_store(out_ptr, p3, g3, u3, n, F, clamp, cnt > 3, CLAMP)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Gate/up on the int8 tensor cores (GroupedConfig.mma)
+#
+# Why: at B = 32 an expert has ~1.5 pairs, so the dp4a kernel above spends 4 dp4a a group of 8 weights per
+# pair (two words, two planes) besides the decode. One mma.sync.m16n8k32 (s8 x s8 -> s32) takes a whole
+# IQ2_XXS sub-block (32 weights: one k step, so its scale applies after) of 16 rows against 8 columns:
+# here 4 pairs x 2 activation planes, column 2 j + plane of pair j. Lane (gid = lane / 4, tid = lane % 4)
+# of a warp holds, in the PTX fragment layout:
+#   A: a0 / a2 = elements 0-3 / 4-7 of group tid of row gid (a1 / a3: row gid + 8), i.e. the decoded words
+#      wlo / whi of one group each (the k order within the sub-block permuted alike on both sides:
+#      group t at k 4t..4t+3 and 16+4t..16+4t+3);
+#   B: b0 / b1 = elements 0-3 / 4-7 of group tid of column gid = plane gid % 2 of pair gid // 2;
+#   C: c0, c1 = row gid, columns 2 tid, 2 tid + 1 = pair tid's planes 1, 2 (c2, c3: row gid + 8),
+# so a lane combines its pair's exact sub-block sum 254 I1 + I2 locally, then scales it as _iq2_pair does.
+# Every tensor of the kernel is [NT] (NT = 32 warps): one value a thread, lane = element % 32 (Triton's
+# default layout of a 1-D tensor of the thread count; no layout conversion anywhere). Written by hand
+# because the fragment layout is the point: tl.dot would want the decoded weights in its own operand
+# layout (a shared-memory round trip per sub-block) and pads the pair dimension to 16.
+
+
+@triton.jit
+def _mma_i8(a0, a1, a2, a3, b0, b1, PTX: tl.constexpr):
+    """(c0, c1, c2, c3) int32 of mma.sync.m16n8k32 s8 with a zero accumulator, per lane of [NT] tensors.
+    PTX False (Triton's interpreter): the same sums gathered across the lanes as the fragments lay them
+    out (lane = element % 32)."""
+    if PTX:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9},"
+            " {$10, $10, $10, $10};", "=r,=r,=r,=r,r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1, a0 * 0],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        W: tl.constexpr = a0.shape[0] // 32
+        c0, c1 = _mma_rows(a0, a2, b0, b1, W)
+        c2, c3 = _mma_rows(a1, a3, b0, b1, W)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _mma_rows(alo, ahi, b0, b1, W: tl.constexpr):
+    """The interpreter's mma for one row half: lane (gid, tid) gets sum over tid' of the dot of row gid's
+    words of lane (gid, tid') with column n's of lane (n, tid'), for n = 2 tid and 2 tid + 1."""
+    al = tl.reshape(alo, (W, 8, 1, 4))  # [warp, gid, 1, tid']
+    ah = tl.reshape(ahi, (W, 8, 1, 4))
+    bl = tl.reshape(b0, (W, 1, 8, 4))  # [warp, 1, column n, tid']
+    bh = tl.reshape(b1, (W, 1, 8, 4))
+    s = tl.sum(_dot4(ah, bh, _dot4(al, bl, 0, False), False), axis=3)  # [W, 8 gid, 8 n]
+    even, odd = tl.split(tl.reshape(s, (W, 8, 4, 2)))  # n = 2 tid, 2 tid + 1
+    return tl.reshape(even, (W * 32,)), tl.reshape(odd, (W * 32,))
+
+
+@triton.jit
+def _mad_wide(a, b, c, PTX: tl.constexpr):
+    """c + a b: int32 a, b, int64 c (PTX mad.wide.s32, one IMAD.WIDE; LLVM's sign-extended multiply and
+    64-bit add take ~4 instructions)."""
+    if PTX:
+        out = tl.inline_asm_elementwise(
+            "mad.wide.s32 $0, $1, $2, $3;", "=l,r,r,l", [a, b, c], dtype=tl.int64, is_pure=True, pack=1
+        )
+    else:
+        out = c + a.to(tl.int64) * b.to(tl.int64)
+    return out
+
+
+@triton.jit
+def _mma_sub(
+    qa, qb, sa, sb, h: tl.constexpr, tid, xl, xh, acc0, acc1, tab64, ksm, PTX: tl.constexpr, LDS: tl.constexpr
+):  # fmt: skip
+    """acc0 / acc1 ([NT] int64) + (2 ls + 1) (254 I1 + I2) of sub-block h of the int64 words qa, sa (grid
+    bytes, sub-block words of row gid; qb, sb: row gid + 8; a word holds two sub-blocks) for the lane's pair
+    tid: one mma, xl / xh the lane's B words. In int64 so that a super-block's 8 are summed exactly."""
+    w0 = (sa >> (32 * h)).to(tl.int32)  # the sub-block word: 4 x 7 sign bits, the scale on top
+    w1 = (sb >> (32 * h)).to(tl.int32)
+    zero = tl.zeros_like(w0)
+    sel = 0x4440 + tid  # byte tid of the grid word, then zeros: the grid index in one PRMT
+    i0 = _prmt((qa >> (32 * h)).to(tl.int32), zero, sel, PTX)
+    i1 = _prmt((qb >> (32 * h)).to(tl.int32), zero, sel, PTX)
+    lo0, hi0 = _signed_words(tab64, ksm, i0, (w0 >> (7 * tid)) & 127, False, PTX, True, LDS)
+    lo1, hi1 = _signed_words(tab64, ksm, i1, (w1 >> (7 * tid)) & 127, False, PTX, True, LDS)
+    c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, PTX)
+    # |254 I1 + I2| <= 32 * 43 * 32385 < 2^31; 2 ls + 1 = the top 5 bits | 1 (bit 27 is overwritten)
+    acc0 = _mad_wide(c0 * 254 + c1, ((w0 >> 27) & 31) | 1, acc0, PTX)
+    return acc0, _mad_wide(c2 * 254 + c3, ((w1 >> 27) & 31) | 1, acc1, PTX)
+
+
+@triton.jit
+def _gate_up_mma_kernel(
+    xw_ptr, dx_ptr, gq, gs, gd, uq, us, ud, tab64, ksm, order_ptr, eid_ptr, offs_ptr, out_ptr, n_slots,
+    n_pairs, E, F, K, xplane, clamp, WARPS: tl.constexpr, CLAMP: tl.constexpr, PTX: tl.constexpr,
+    LDS: tl.constexpr,
+):  # fmt: skip
+    """_gate_up_grouped_kernel's result on the int8 tensor cores: up to 4 pairs of one expert (sorted
+    positions p ..), 16 rows a warp, two planes (xw [2, B, K/8] int64, xplane words apart; dx [B, K/256]);
+    gq / uq grid bytes, gs / us sub-block words as int64 words [E F, K/32] -> mid rows out [P, F]."""
+    NT: tl.constexpr = 32 * WARPS
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    if LDS:
+        _lds_fill(tab64, ksm, PTX, LDS)
+    p = tl.program_id(1)
+    e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, 4)
+    lane = tl.arange(0, NT) % 32
+    gid, tid = lane // 4, lane % 4
+    n = tl.program_id(0) * (16 * WARPS) + (tl.arange(0, NT) // 32) * 16 + gid  # row gid; gid + 8: n + 8
+    nb = K // 256
+    r0 = tl.minimum(n, F - 1) * nb  # the rows' first super-block within the expert (int32 offsets)
+    r1 = tl.minimum(n + 8, F - 1) * nb
+    eb = e * F * nb  # the expert's first super-block: uniform base pointers
+    gq, gs, uq, us = gq + eb * 4, gs + eb * 4, uq + eb * 4, us + eb * 4
+    gd, ud = gd + eb, ud + eb
+    bx = _pair_index(order_ptr, p, gid // 2, n_pairs) // n_slots  # the B column's row of x
+    xo = xw_ptr + (gid % 2) * xplane + bx * (K // 8) + tid  # its plane's group-tid word of sub-block 0
+    pc = _pair_index(order_ptr, p, tid, n_pairs)  # the lane's C pair
+    dxo = dx_ptr + (pc // n_slots) * nb
+    g0 = tl.zeros([NT], dtype=tl.float32)
+    g1, u0, u1 = g0, g0, g0
+    for kt in range(0, tl.where(live, nb, 0)):
+        ga = tl.zeros([NT], dtype=tl.int64)  # this super-block's exact sums (rows gid, gid + 8)
+        gb, ua, ub = ga, ga, ga
+        w0 = (r0 + kt) * 4
+        w1 = (r1 + kt) * 4
+        for j in tl.static_range(4):
+            gqa, gqb = tl.load(gq + w0 + j), tl.load(gq + w1 + j)
+            gsa, gsb = tl.load(gs + w0 + j), tl.load(gs + w1 + j)
+            uqa, uqb = tl.load(uq + w0 + j), tl.load(uq + w1 + j)
+            usa, usb = tl.load(us + w0 + j), tl.load(us + w1 + j)
+            for h in tl.static_range(2):
+                xw = tl.load(xo + kt * 32 + (2 * j + h) * 4)
+                xl, xh = xw.to(tl.int32), (xw >> 32).to(tl.int32)
+                ga, gb = _mma_sub(gqa, gqb, gsa, gsb, h, tid, xl, xh, ga, gb, tab64, ksm, PTX, LDS)
+                ua, ub = _mma_sub(uqa, uqb, usa, usb, h, tid, xl, xh, ua, ub, tab64, ksm, PTX, LDS)
+        dx = tl.load(dxo + kt)
+        g0 += (tl.load(gd + r0 + kt).to(tl.float32) * dx) * ga.to(tl.float32)
+        g1 += (tl.load(gd + r1 + kt).to(tl.float32) * dx) * gb.to(tl.float32)
+        u0 += (tl.load(ud + r0 + kt).to(tl.float32) * dx) * ua.to(tl.float32)
+        u1 += (tl.load(ud + r1 + kt).to(tl.float32) * dx) * ub.to(tl.float32)
+    ok = tid < cnt
+    _mma_store(out_ptr, pc, g0, u0, n, F, clamp, ok, CLAMP)
+    _mma_store(out_ptr, pc, g1, u1, n + 8, F, clamp, ok, CLAMP)
+
+
+@triton.jit
+def _mma_store(out_ptr, pidx, g, u, n, F, clamp, ok, CLAMP: tl.constexpr):
+    """mid[pidx, n] = clamped SwiGLU of the scaled sums g, u ([NT]; the 1/8 of 2 ls + 1), where ok."""
+    g = g * 0.125
+    u = u * 0.125
+    if CLAMP:
+        g = tl.minimum(g, clamp)  # the gate has no lower bound (§5.5)
+        u = tl.minimum(tl.maximum(u, -clamp), clamp)
+    tl.store(out_ptr + pidx * F + n, g / (1.0 + tl.exp(-g)) * u, mask=(n < F) & ok)
+
+
 @triton.jit
 def _q2k_shift(q0, q1, q2, q3, s8, xo, xso, xplane, ii, mm, TERMS: tl.constexpr, DP4A: tl.constexpr):
     """One pair's integer sums of one 2-bit shift of a Q2_K super-block: (ii + sc sum_16 q v, mm + m sum_16 v)
@@ -490,6 +642,9 @@ class GroupedConfig:
     prefetch: bool = False
     # down by the pair kernel (pair_down): its MoeConfig.prefetch (moe._q2k_q8k_down_kernel)
     prefetch_dn: bool = False
+    # gate/up on the int8 tensor cores (_gate_up_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a
+    # program; two planes, the nibble tables with lds / lds_rep as set, sign nibbles gathered)
+    mma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("pairs", "pairs_dn"):
@@ -511,6 +666,10 @@ class GroupedConfig:
             )
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
+        if self.mma and not (self.terms == 2 and self.prmt and not self.grid16 and not self.smem):
+            raise ValueError(
+                "GroupedConfig: mma needs two planes and the nibble tables (prmt; no grid16, smem)"
+            )
 
 
 # H200 (tools/gpu/bench_moe_grouped.py, session 8, per layer): gate/up bn 16, 4 pairs per program, sign
@@ -709,6 +868,9 @@ def moe_gate_up_grouped(
     runs = runs or expert_runs(ids, E)
     xq, dx = given_q8k(x, cfg.terms, xq)
     g, u = wg.data, wu.data
+    if cfg.mma:
+        _gate_up_mma(xq, dx, g, u, runs, out, clamp, cfg)
+        return out
     gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
     _gate_up_grouped_kernel[(triton.cdiv(F, cfg.bn_gu), B * k)](
         xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"],
@@ -720,6 +882,21 @@ def moe_gate_up_grouped(
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and x.is_cuda else {}),  # the interpreter takes no cap
     )  # fmt: skip
     return out
+
+
+def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, clamp: float, cfg) -> None:
+    """_gate_up_mma_kernel's launch: planes xq [2, B, K] int8, scales dx, the gate / up stacks' packed data,
+    out [B, k, F]."""
+    B, k, F = out.shape
+    K = xq.shape[2]
+    ptx = xq.is_cuda
+    _gate_up_mma_kernel[(triton.cdiv(F, 16 * cfg.warps), B * k)](
+        xq.view(torch.int64), dx, g["qs"].view(torch.int64), g["sg"].view(torch.int64), g["d"],
+        u["qs"].view(torch.int64), u["sg"].view(torch.int64), u["d"], *iq2_tables(xq.device, False, True),
+        runs.order, runs.eid, runs.offsets, out, k, B * k, runs.n_experts, F, K, B * K // 8, float(clamp),
+        WARPS=cfg.warps, CLAMP=clamp > 0, PTX=ptx, LDS=(cfg.lds_rep if cfg.lds else 0) if ptx else 0,
+        num_warps=cfg.warps, launch_pdl=PDL, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and ptx else {}),
+    )  # fmt: skip
 
 
 def _group_sums(xq: torch.Tensor) -> torch.Tensor:

@@ -175,6 +175,10 @@ def _variants() -> dict[str, dict]:
         "grouped lds preg": grouped(lds=True, lds_rep=1, pos_reg=True),
         "grouped lds x16": grouped(lds=True, lds_rep=16),
         "grouped lds x32": grouped(lds=True, lds_rep=32),
+        "grouped mma": grouped(mma=True),  # session 26: gate/up on the int8 tensor cores
+        "grouped mma r96": grouped(mma=True, maxnreg=96),
+        "grouped mma w2": grouped(mma=True, warps=2),
+        "grouped mma w8": grouped(mma=True, warps=8),
         "grouped r64": grouped(maxnreg=64),
         "grouped math r64": grouped(sign_math=True, maxnreg=64),
         "grouped lds x32 r64": grouped(lds_rep=32, maxnreg=64),

@@ -98,6 +98,15 @@ GU_VARIANTS = [
     replace(moe_grouped.CONFIG, lds_rep=32, maxnreg=64),
     # one lookup a group instead of two: the sign nibbles computed (~16 ALU ops), the grid's from the copies
     replace(moe_grouped.CONFIG, sign_math=True, maxnreg=64),
+    # session 26: gate/up on the int8 tensor cores (one mma.sync m16n8k32 a sub-block of 16 rows x 4 pairs x 2
+    # planes; sm_90 k loop 627-703 instructions a thread for 256 weights at any pair count up to 4, vs the
+    # dp4a kernel's 209 / 265 for 64 at 1 / 2 pairs): 4 warps (80 registers), capped at 96 (no stack), 2
+    # warps (148 registers), 8 warps, and the tables through L1
+    replace(moe_grouped.CONFIG, mma=True),
+    replace(moe_grouped.CONFIG, mma=True, maxnreg=96),
+    replace(moe_grouped.CONFIG, mma=True, warps=2),
+    replace(moe_grouped.CONFIG, mma=True, warps=8),
+    replace(moe_grouped.CONFIG, mma=True, lds=False, lds_rep=1),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -140,6 +149,13 @@ def gu_label(c: GroupedConfig) -> str:
     extra = (" math" if c.sign_math else " masks") + " g16" * c.grid16 + " prmt" * c.prmt
     extra += " chain" * c.chain + " preg" * c.pos_reg + f" smem{c.smem}" * bool(c.smem) + " lds" * c.lds
     extra += f" x{c.lds_rep}" * (c.lds_rep > 1) + f" r{c.maxnreg}" * bool(c.maxnreg)
+    if c.mma:  # the tensor-core kernel: 16 rows a warp, 4 pairs, the nibble tables
+        return (
+            f"grouped mma w{c.warps}"
+            + " lds" * c.lds
+            + f" x{c.lds_rep}" * (c.lds_rep > 1)
+            + f" r{c.maxnreg}" * bool(c.maxnreg)
+        )
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}" + " pf" * c.prefetch
 
 
@@ -385,6 +401,32 @@ def _gu_build(c: GroupedConfig, pairs: int) -> tuple[dict[str, str], dict]:
     return sig, consts
 
 
+_MMA_SIG = {
+    **{n: t for n, t in _GU_SIG.items() if n not in ("K",)},
+    "xw_ptr": "*i64",
+    "gq": "*i64",
+    "gs": "*i64",
+    "uq": "*i64",
+    "us": "*i64",
+    "tab64": "*i32",
+    "ksm": "*i32",
+    "K": "i32",
+}
+
+
+def _mma_compile(c: GroupedConfig) -> bool:
+    """Report the tensor-core gate/up's build (one k loop: every pair count up to 4 runs the same code)."""
+    consts = {"WARPS": c.warps, "CLAMP": True, "PTX": True, "LDS": c.lds_rep if c.lds else 0}
+    try:
+        k = _compile(moe_grouped._gate_up_mma_kernel, _MMA_SIG, consts, c.warps, c.maxnreg)
+        res, n, _ = _sass_stats(k.asm["cubin"])
+    except Exception as exc:  # noqa: BLE001 - report every kernel
+        say(f"  {gu_label(c)} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
+        return False
+    say(f"  {gu_label(c):44s} {res:26s} k loop {n} (256 weights a thread)")
+    return True
+
+
 def compile_only() -> None:
     """Registers and k-loop instructions of every gate/up variant at 1, 2 and its own pairs per program
     (a program runs the branches of the pairs it has: at B = 32 most have 1 or 2), and of the down tiles."""
@@ -395,6 +437,9 @@ def compile_only() -> None:
         if c in seen:
             continue
         seen.add(c)
+        if c.mma:
+            ok &= _mma_compile(c)
+            continue
         loops, res = [], ""
         for pt in sorted({1, 2, c.pairs}):
             try:
