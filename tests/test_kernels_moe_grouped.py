@@ -38,8 +38,8 @@ CONFIGS = [
     moe_grouped.GroupedConfig(bn_gu=32, pairs=2, terms=1, warps=2, pair_down=True),
     # gate/up on the int8 tensor cores (one and two warps: 16 and 32 rows a program; the lane arithmetic of
     # the fragments runs in the interpreter through _mma_rows, the PTX mma on a GPU)
-    moe_grouped.GroupedConfig(mma=True, prmt=True, warps=1, pair_down=True),
-    moe_grouped.GroupedConfig(mma=True, prmt=True, lds=True, lds_rep=16, warps=2, pair_down=True),
+    moe_grouped.GroupedConfig(mma=True, prmt=True, warps=1, mma_dn=True),
+    moe_grouped.GroupedConfig(mma=True, prmt=True, lds=True, lds_rep=16, warps=2, mma_dn=True),
 ]
 
 
@@ -92,7 +92,7 @@ def test_expert_runs_kernel_equals_the_sort(B, k, E):
 
 def _cfg_id(c: moe_grouped.GroupedConfig) -> str:
     tile = f"mma-w{c.warps}" if c.mma else f"bn{c.bn_gu}-{c.bn_dn}-pt{c.pairs}-{c.pairs_dn}"
-    return f"{tile}-t{c.terms}" + "-pairdown" * c.pair_down
+    return f"{tile}-t{c.terms}" + "-pairdown" * (c.pair_down and not c.mma_dn) + "-mmadown" * c.mma_dn
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
@@ -199,28 +199,36 @@ def test_routed_grouped_other_ranks_experts_add_nothing(pair_down):
     assert rel_err(got, ref.moe_down_q8k(mid_ref, weights, wd, safe)) > 1e-3  # the zeroing is visible
 
 
-def test_mma_gate_up_long_runs_and_other_ranks():
-    """The tensor-core gate/up (GroupedConfig.mma) where one expert has 6 pairs (split over two programs of
-    4 pair columns), ids outside [0, E) give zero rows, and the second row tile is partial (40 rows at 32 a
-    program): the valid rows equal the twin within F32_TOL, with and without the clamp."""
+def test_mma_kernels_long_runs_and_other_ranks():
+    """The tensor-core gate/up and down (GroupedConfig.mma, mma_dn) where one expert has 6 pairs (split over
+    two programs of 4 pair columns), ids outside [0, E) give zero rows / terms, and the second row tile is
+    partial (40 rows at 32 a program): the valid ones equal the twin within F32_TOL (gate/up with and
+    without the clamp; down per slot, on random mid rows)."""
     ids_l = [[4, 7, 2], [4, 4, -1], [2, 0, 4], [4, 1, 4]]
-    wg, wu, _, ids, x, _, _ = _case(40, 512, 16, ids_l, 64)
-    cfg = moe_grouped.GroupedConfig(mma=True, prmt=True, warps=2)
+    wg, wu, wd, ids, x, mid, weights = _case(40, 512, 40, ids_l, 64)
+    cfg = moe_grouped.GroupedConfig(mma=True, prmt=True, warps=2, mma_dn=True)
     ok = (ids >= 0) & (ids < E)
     safe = torch.where(ok, ids, 0)
     for clamp in (0.0, 1.0):
-        mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, clamp, cfg)
-        assert torch.equal(mid[~ok], torch.zeros_like(mid[~ok]))
-        assert rel_err(mid[ok], ref.moe_gate_up_q8k(x, wg, wu, safe, clamp)[ok]) < F32_TOL
+        got = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, clamp, cfg)
+        assert torch.equal(got[~ok], torch.zeros_like(got[~ok]))
+        assert rel_err(got[ok], ref.moe_gate_up_q8k(x, wg, wu, safe, clamp)[ok]) < F32_TOL
+    got = moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg, per_slot=True)
+    assert torch.equal(got[~ok], torch.zeros_like(got[~ok]))
+    for j in range(ids.shape[1]):
+        want = ref.moe_down_q8k(mid[:, j, None], weights[:, j, None] * ok[:, j, None], wd, safe[:, j, None])
+        assert rel_err(got[:, j], want) < F32_TOL
 
 
 def test_mma_config_needs_two_planes_and_nibbles():
     for bad in ({"terms": 1, "prmt": True}, {"prmt": False}, {"prmt": True, "grid16": True}):
         with pytest.raises(ValueError, match="mma needs"):
             moe_grouped.GroupedConfig(mma=True, **bad)
+    with pytest.raises(ValueError, match="mma_dn needs"):
+        moe_grouped.GroupedConfig(mma_dn=True, terms=1)
 
 
-@pytest.mark.parametrize("down", ["grouped", "pair", "pair sorted"])
+@pytest.mark.parametrize("down", ["grouped", "pair", "pair sorted", "mma"])
 def test_down_other_ranks_experts_add_nothing_on_any_mid(down):
     """The down projection alone, on random (nonzero) mid rows: the per-slot terms of ids outside [0, E) are
     zero, the others equal the twin's (the gate/up zeros would hide a down kernel that read a clamped
@@ -228,7 +236,7 @@ def test_down_other_ranks_experts_add_nothing_on_any_mid(down):
     order (sorted_down), which equals the unsorted one bit for bit."""
     ids_l = [[0, 7, 2], [4, 4, -1], [2, 0, 4]]
     _, _, wd, ids, _, mid, weights = _case(16, 256, 40, ids_l, 62)
-    cfg = moe_grouped.GroupedConfig(bn_dn=16, pairs_dn=2, pair_down=down != "grouped")
+    cfg = moe_grouped.GroupedConfig(bn_dn=16, pairs_dn=2, pair_down=down != "grouped", mma_dn=down == "mma")
     got = moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg, per_slot=True)  # [B, k, D]
     if down == "pair sorted":
         from dataclasses import replace
@@ -288,6 +296,10 @@ def test_flash_widths_match_pair_kernels_and_capture():
     for warps, maxnreg in ((4, 0), (2, 0), (4, 96)):  # the tensor-core gate/up (mma.sync on the device)
         cfg = replace(moe_grouped.CONFIG, mma=True, warps=warps, maxnreg=maxnreg)
         assert rel_err(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg), mid_pairs) < F32_TOL
+    want_dn = moe.moe_down(mid_pairs, w, wd, ids, dn_cfg)
+    for warps in (4, 2):  # the tensor-core down
+        cfg = replace(moe_grouped.CONFIG, mma_dn=True, warps=warps)
+        assert rel_err(moe_grouped.moe_down_grouped(mid_pairs, w, wd, ids, cfg), want_dn) < F32_TOL
     for pair_down in (False, True):
         cfg = replace(moe_grouped.CONFIG, pair_down=pair_down)
         got = moe_grouped.moe_down_grouped(mid_pairs, w, wd, ids, cfg)

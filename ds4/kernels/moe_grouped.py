@@ -344,20 +344,22 @@ def _gate_up_grouped_kernel(
 
 
 @triton.jit
-def _mma_i8(a0, a1, a2, a3, b0, b1, PTX: tl.constexpr):
-    """(c0, c1, c2, c3) int32 of mma.sync.m16n8k32 s8 with a zero accumulator, per lane of [NT] tensors.
-    PTX False (Triton's interpreter): the same sums gathered across the lanes as the fragments lay them
-    out (lane = element % 32)."""
+def _mma_i8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, PTX: tl.constexpr):
+    """(c0, c1, c2, c3) + mma.sync.m16n8k32 s8 -> s32 per lane of [NT] tensors (int32). PTX False (Triton's
+    interpreter): the same sums gathered across the lanes as the fragments lay them out (lane = element %
+    32)."""
     if PTX:
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
             "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9},"
-            " {$10, $10, $10, $10};", "=r,=r,=r,=r,r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1, a0 * 0],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1,
+            " {$10, $11, $12, $13};", "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+            [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=False, pack=1,
         )  # fmt: skip
     else:
         W: tl.constexpr = a0.shape[0] // 32
-        c0, c1 = _mma_rows(a0, a2, b0, b1, W)
-        c2, c3 = _mma_rows(a1, a3, b0, b1, W)
+        e0, e1 = _mma_rows(a0, a2, b0, b1, W)
+        e2, e3 = _mma_rows(a1, a3, b0, b1, W)
+        c0, c1, c2, c3 = c0 + e0, c1 + e1, c2 + e2, c3 + e3
     return c0, c1, c2, c3
 
 
@@ -402,7 +404,7 @@ def _mma_sub(
     i1 = _prmt((qb >> (32 * h)).to(tl.int32), zero, sel, PTX)
     lo0, hi0 = _signed_words(tab64, ksm, i0, (w0 >> (7 * tid)) & 127, False, PTX, True, LDS)
     lo1, hi1 = _signed_words(tab64, ksm, i1, (w1 >> (7 * tid)) & 127, False, PTX, True, LDS)
-    c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, PTX)
+    c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, zero, zero, zero, zero, PTX)
     # |254 I1 + I2| <= 32 * 43 * 32385 < 2^31; 2 ls + 1 = the top 5 bits | 1 (bit 27 is overwritten)
     acc0 = _mad_wide(c0 * 254 + c1, ((w0 >> 27) & 31) | 1, acc0, PTX)
     return acc0, _mad_wide(c2 * 254 + c3, ((w1 >> 27) & 31) | 1, acc1, PTX)
@@ -472,6 +474,92 @@ def _mma_store(out_ptr, pidx, g, u, n, F, clamp, ok, CLAMP: tl.constexpr):
         g = tl.minimum(g, clamp)  # the gate has no lower bound (§5.5)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
     tl.store(out_ptr + pidx * F + n, g / (1.0 + tl.exp(-g)) * u, mask=(n < F) & ok)
+
+
+@triton.jit
+def _down_mma_kernel(
+    xw_ptr, dx_ptr, qw, sc, dm, order_ptr, eid_ptr, offs_ptr, rw_ptr, out_ptr, n_pairs, E, D, F, xplane,
+    WARPS: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """The Q2_K down projection on the int8 tensor cores (GroupedConfig.mma_dn): up to 4 pairs of one expert,
+    16 rows a warp, two planes (xw [2, P, F/4] int32 words, xplane apart; dx [P, F/256]) -> out [P, D]
+    (flat pair index) = weights[pair] * Wd[e] @ mid[pair]; qw [E D, F/16] quant words, sc [E D, F/64] scale
+    words (4 group bytes each), dm [E D, F/256] (d, dmin) f16 pairs as int32.
+
+    One k32 step = shift t of half h: elements 32 t + l of the half's 32 bytes, groups (h, t, l // 16) of 16
+    (scale bytes 8 h + 2 t + l // 16). The scale sc <= 15 times the 2-bit quants q <= 3 fits a signed byte,
+    so A = sc q (a0 / a2: quant bytes 4 tid.. of the step's groups 0 / 1 of row gid; a1 / a3: row gid + 8)
+    and the integer sum I = sum sc q v of the super-block accumulates inside the mma; a second mma with A =
+    m replicated over its group's bytes gives M = sum m sum_16 v. Then y += d dx I - dmin dx M per
+    super-block (ref.q8k_matvec_row; |I| <= 256 * 45 * 32385 < 2^31)."""
+    NT: tl.constexpr = 32 * WARPS
+    pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    p = tl.program_id(1)
+    e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, 4)
+    lane = tl.arange(0, NT) % 32
+    gid, tid = lane // 4, lane % 4
+    n = tl.program_id(0) * (16 * WARPS) + (tl.arange(0, NT) // 32) * 16 + gid  # row gid; gid + 8: n + 8
+    nb = F // 256
+    r0 = tl.minimum(n, D - 1) * nb  # the rows' first super-block within the expert (int32 offsets)
+    r1 = tl.minimum(n + 8, D - 1) * nb
+    eb = e * D * nb  # the expert's first super-block: uniform base pointers
+    qw, sc, dm = qw + eb * 16, sc + eb * 4, dm + eb
+    pb = _pair_index(order_ptr, p, gid // 2, n_pairs)  # the B column's pair: plane gid % 2
+    xo = xw_ptr + (gid % 2) * xplane + pb * (F // 4) + tid  # its word of elements 4 tid.. of group 0
+    pc = _pair_index(order_ptr, p, tid, n_pairs)  # the lane's C pair
+    y0 = tl.zeros([NT], dtype=tl.float32)
+    y1 = y0
+    zero = tl.zeros([NT], dtype=tl.int32)
+    for kt in range(0, tl.where(live, nb, 0)):
+        i0, i1, i2, i3 = zero, zero, zero, zero  # I of (row gid, row gid + 8) x (plane 1, plane 2)
+        m0, m1, m2, m3 = zero, zero, zero, zero  # M likewise
+        for h in tl.static_range(2):
+            wq = qw + (r0 + kt) * 16 + 8 * h + tid  # quant words of row gid: groups l < 16 / l >= 16 at +4
+            vq = qw + (r1 + kt) * 16 + 8 * h + tid
+            qa, qb, qc, qd = tl.load(wq), tl.load(wq + 4), tl.load(vq), tl.load(vq + 4)
+            for t2 in tl.static_range(2):  # the scale word of shifts 2 t2, 2 t2 + 1
+                sa = tl.load(sc + (r0 + kt) * 4 + 2 * h + t2)
+                sb = tl.load(sc + (r1 + kt) * 4 + 2 * h + t2)
+                for tt in tl.static_range(2):  # shift t = 2 t2 + tt
+                    xw = xo + kt * 64 + 32 * h + 16 * t2 + 8 * tt
+                    b0, b1 = tl.load(xw), tl.load(xw + 4)
+                    a0, a2, ma0, ma2 = _q2k_mma_a(qa, qb, sa, 2 * tt, 2 * t2 + tt, zero, PTX)
+                    a1, a3, ma1, ma3 = _q2k_mma_a(qc, qd, sb, 2 * tt, 2 * t2 + tt, zero, PTX)
+                    i0, i1, i2, i3 = _mma_i8(a0, a1, a2, a3, b0, b1, i0, i1, i2, i3, PTX)
+                    m0, m1, m2, m3 = _mma_i8(ma0, ma1, ma2, ma3, b0, b1, m0, m1, m2, m3, PTX)
+        dx = tl.load(dx_ptr + pc * nb + kt)
+        y0 = _q2k_mma_scale(y0, i0 * 254 + i1, m0 * 254 + m1, tl.load(dm + r0 + kt), dx)
+        y1 = _q2k_mma_scale(y1, i2 * 254 + i3, m2 * 254 + m3, tl.load(dm + r1 + kt), dx)
+    rw = tl.load(rw_ptr + pc).to(tl.float32)
+    ok = tid < cnt
+    tl.store(out_ptr + pc * D + n, y0 * rw, mask=(n < D) & ok)
+    tl.store(out_ptr + pc * D + n + 8, y1 * rw, mask=(n + 8 < D) & ok)
+
+
+@triton.jit
+def _q2k_mma_a(qlo, qhi, sw, b: tl.constexpr, t: tl.constexpr, zero, PTX: tl.constexpr):
+    """A words of one row for shift t: (sc q of the group l < 16, of the group l >= 16, m replicated over
+    the first group's bytes, over the second's) from the quant words qlo / qhi and the scale word sw whose
+    bytes b, b + 1 are the two groups' (scale | min << 4)."""
+    q0 = (qlo >> (2 * t)) & 0x03030303
+    q1 = (qhi >> (2 * t)) & 0x03030303
+    s = sw & 0x0F0F0F0F
+    m = (sw >> 4) & 0x0F0F0F0F
+    sel0: tl.constexpr = 0x4440 + b  # byte b alone
+    sel1: tl.constexpr = 0x4440 + b + 1
+    rep0: tl.constexpr = 0x1111 * b  # byte b in all four
+    rep1: tl.constexpr = 0x1111 * (b + 1)
+    a0 = q0 * _prmt(s, zero, zero + sel0, PTX)  # <= 45 a byte: no carries
+    a1 = q1 * _prmt(s, zero, zero + sel1, PTX)
+    return a0, a1, _prmt(m, zero, zero + rep0, PTX), _prmt(m, zero, zero + rep1, PTX)
+
+
+@triton.jit
+def _q2k_mma_scale(y, ii, mm, dmw, dx):
+    """y + d dx I - dmin dx M for one row (dmw: its (d, dmin) f16 pair as an int32 word)."""
+    d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return y + (d * dx) * ii.to(tl.float32) - (dmin * dx) * mm.to(tl.float32)
 
 
 @triton.jit
@@ -645,6 +733,9 @@ class GroupedConfig:
     # gate/up on the int8 tensor cores (_gate_up_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a
     # program; two planes, the nibble tables with lds / lds_rep as set, sign nibbles gathered)
     mma: bool = False
+    # down on the int8 tensor cores (_down_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a program;
+    # two planes), instead of the pair kernel (pair_down) or the grouped dp4a one
+    mma_dn: bool = False
 
     def __post_init__(self) -> None:
         for name in ("pairs", "pairs_dn"):
@@ -666,6 +757,8 @@ class GroupedConfig:
             )
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
+        if self.mma_dn and self.terms != 2:
+            raise ValueError("GroupedConfig: mma_dn needs two planes (terms 2)")
         if self.mma and not (self.terms == 2 and self.prmt and not self.grid16 and not self.smem):
             raise ValueError(
                 "GroupedConfig: mma needs two planes and the nibble tables (prmt; no grid16, smem)"
@@ -899,6 +992,24 @@ def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, 
     )  # fmt: skip
 
 
+def _down_mma(
+    mid: torch.Tensor, weights: torch.Tensor, wd: PackedWeight, runs: ExpertRuns, cfg
+) -> torch.Tensor:
+    """_down_mma_kernel's launch: mid [P, F] f32 -> per-pair outputs [P, D] (all written)."""
+    P, F = mid.shape
+    D = wd.shape[1]
+    xq, dx = quantize_q8k(mid, 2)
+    part = torch.empty(P, D, dtype=torch.float32, device=mid.device)
+    w = wd.data
+    _down_mma_kernel[(triton.cdiv(D, 16 * cfg.warps), P)](
+        xq.view(torch.int32), dx, w["qs"].view(torch.int32), w["sc"].view(torch.int32),
+        w["dm"].view(torch.int32), runs.order, runs.eid, runs.offsets, weights.float().contiguous(), part, P,
+        runs.n_experts, D, F, P * F // 4, WARPS=cfg.warps, PTX=mid.is_cuda, num_warps=cfg.warps,
+        launch_pdl=PDL,
+    )  # fmt: skip
+    return part
+
+
 def _group_sums(xq: torch.Tensor) -> torch.Tensor:
     """Quantized rows (planes xq int8 [T, R, F]) -> [R, F/16] int32 sums of the activation integers v
     (254 q1 + q2 for T = 2) per group of 16: the min term of Q2_K (sum_16 v), the same for all weight rows."""
@@ -948,6 +1059,15 @@ def moe_down_grouped(
     if B * k == 0:
         part = torch.zeros(B, k, D, dtype=torch.float32, device=mid.device)
         return part if per_slot else part.sum(1)
+    if cfg.mma_dn:
+        part = _down_mma(
+            prep_x(mid.reshape(B * k, F), F, "moe_down_grouped"),
+            weights,
+            wd,
+            runs or expert_runs(ids, E),
+            cfg,
+        )
+        return part.view(B, k, D) if per_slot else part.view(B, k, D).sum(1)
     if cfg.pair_down:
         mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped").view(B, k, F)
         pair = replace(

@@ -177,6 +177,8 @@ def _variants() -> dict[str, dict]:
         "grouped lds x32": grouped(lds=True, lds_rep=32),
         "grouped mma": grouped(mma=True),  # session 26: gate/up on the int8 tensor cores
         "grouped mma r96": grouped(mma=True, maxnreg=96),
+        "grouped mma dn": grouped(mma_dn=True),
+        "grouped mma both": grouped(mma=True, mma_dn=True),
         "grouped mma w2": grouped(mma=True, warps=2),
         "grouped mma w8": grouped(mma=True, warps=8),
         "grouped r64": grouped(maxnreg=64),
@@ -195,6 +197,7 @@ def _variants() -> dict[str, dict]:
         "q8 rows from 5": {(matvec, "Q8_ROWS_FROM"): 5},
         "q8 rows from 9": {(matvec, "Q8_ROWS_FROM"): 9},  # before session 16
         "grouped from 8": {(batch, "MOE_GROUPED_MIN_ROWS"): 8},  # the int8 grouped experts from 8 rows
+        "grouped mma from 8": {**grouped(mma=True), (batch, "MOE_GROUPED_MIN_ROWS"): 8},
         "pair down bn64": grouped(bn_pair_dn=64),
         "grouped pt2": grouped(pairs=2),
         "grouped bn32 w8": grouped(bn_gu=32, warps=8),

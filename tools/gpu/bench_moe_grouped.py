@@ -116,9 +116,13 @@ DN_VARIANTS = [
     GroupedConfig(bn_dn=64),  # session 8's default (session 9: bn 128)
     GroupedConfig(bn_dn=128),
     replace(moe_grouped.CONFIG, prefetch_dn=True),  # session 25: the pair down kernel's prefetch
+    # session 26: down on the int8 tensor cores (sc q in the A operand, I and M summed in the mma's
+    # accumulators over a super-block; sm_90 k loop 293 instructions a thread for 128 weights, 60 registers)
+    replace(moe_grouped.CONFIG, mma_dn=True),
+    replace(moe_grouped.CONFIG, mma_dn=True, warps=8),
 ]
 if "--latest" in sys.argv:  # the engine's configs and this session's variants (the time budget)
-    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-5:]], DN_VARIANTS[:1]
+    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-5:]], [DN_VARIANTS[0], *DN_VARIANTS[-2:]]
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")
@@ -160,6 +164,8 @@ def gu_label(c: GroupedConfig) -> str:
 
 
 def dn_label(c: GroupedConfig) -> str:
+    if c.mma_dn:
+        return f"grouped mma dn w{c.warps}"
     if c.pair_down:  # moe.py's pair kernel at the grouped config's tile
         return f"grouped/pair bn{c.bn_pair_dn}" + " sorted" * c.sorted_down + " pf" * c.prefetch_dn
     return f"grouped bn{c.bn_dn} pt{c.pairs_dn} w{c.warps}"
@@ -414,6 +420,13 @@ _MMA_SIG = {
 }
 
 
+_DN_MMA_SIG = {
+    **{n: t for n, t in _DN_SIG.items() if n not in ("xs_ptr", "sc", "dm")},
+    "sc": "*i32",
+    "dm": "*i32",
+}
+
+
 def _mma_compile(c: GroupedConfig) -> bool:
     """Report the tensor-core gate/up's build (one k loop: every pair count up to 4 runs the same code)."""
     consts = {"WARPS": c.warps, "CLAMP": True, "PTX": True, "LDS": c.lds_rep if c.lds else 0}
@@ -455,6 +468,15 @@ def compile_only() -> None:
                 continue
             loops.append(f"pt{pt} {n}")
         say(f"  {gu_label(c) + f' t{c.terms}':44s} {res:26s} k loop {' / '.join(loops)}")
+    for w in (4, 8):
+        try:
+            res, n, _ = _sass_stats(
+                _compile(moe_grouped._down_mma_kernel, _DN_MMA_SIG, {"WARPS": w, "PTX": True}, w).asm["cubin"]
+            )
+            say(f"  {'dn mma w' + str(w):44s} {res:26s} k loop {n} (128 weights a thread)")
+        except Exception as exc:  # noqa: BLE001 - report every kernel
+            ok = False
+            say(f"  dn mma w{w} FAILED: {type(exc).__name__}: {str(exc)[:400]}")
     for bn, pt, w in ((32, 4, 4), (64, 4, 4), (128, 4, 4), (64, 2, 4)):
         for t in (2, 1):
             consts = {"BN": bn, "PT": pt, "TERMS": t, "DP4A": True}
