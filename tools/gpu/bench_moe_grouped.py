@@ -123,6 +123,7 @@ DN_VARIANTS = [
 ]
 if "--latest" in sys.argv:  # the engine's configs and this session's variants (the time budget)
     GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-5:]], [DN_VARIANTS[0], *DN_VARIANTS[-2:]]
+    BATCHES = (32, 16, 8)  # the batch of issue 8's bar first
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")
