@@ -419,12 +419,13 @@ def _gate_up_mma_kernel(
     """_gate_up_grouped_kernel's result on the int8 tensor cores: up to 4 pairs of one expert (sorted
     positions p ..), 16 rows a warp, two planes (xw [2, B, K/8] int64, xplane words apart; dx [B, K/256]);
     gq / uq grid bytes, gs / us sub-block words as int64 words [E F, K/32] -> mid rows out [P, F]."""
-    NT: tl.constexpr = 32 * WARPS
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
-    if LDS:
-        _lds_fill(tab64, ksm, PTX, LDS)
+    NT: tl.constexpr = 32 * WARPS
     p = tl.program_id(1)
     e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, 4)
+    if LDS:
+        if live:  # only programs that decode fill the shared tables (~30 % lead no chunk at B = 32)
+            _lds_fill(tab64, ksm, PTX, LDS)
     lane = tl.arange(0, NT) % 32
     gid, tid = lane // 4, lane % 4
     n = tl.program_id(0) * (16 * WARPS) + (tl.arange(0, NT) // 32) * 16 + gid  # row gid; gid + 8: n + 8
@@ -492,8 +493,8 @@ def _down_mma_kernel(
     and the integer sum I = sum sc q v of the super-block accumulates inside the mma; a second mma with A =
     m replicated over its group's bytes gives M = sum m sum_16 v. Then y += d dx I - dmin dx M per
     super-block (ref.q8k_matvec_row; |I| <= 256 * 45 * 32385 < 2^31)."""
-    NT: tl.constexpr = 32 * WARPS
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
+    NT: tl.constexpr = 32 * WARPS
     p = tl.program_id(1)
     e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, 4)
     lane = tl.arange(0, NT) % 32
