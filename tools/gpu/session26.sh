@@ -8,11 +8,11 @@
 # Usage: bash tools/gpu/session26.sh a|b
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
-  TAIL=4 run tests 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
+  TAIL=4 run tests 110 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
     -k "mma or flash or match or other_ranks"
-  TAIL=26 run bench1 120 python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
+  TAIL=30 run bench1 110 python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
   TAIL=12 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
-    --variants "grouped mma,grouped mma dn,grouped mma both" --batches 16,32 --ctx 8192 --steps 16
+    --variants "${VARIANTS:-grouped mma,grouped mma dn,grouped mma both}" --batches 16,32 --ctx 8192 --steps 16
 fi
 if [ "$1" = b ]; then
   TAIL=6 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
