@@ -293,8 +293,8 @@ def test_flash_widths_match_pair_kernels_and_capture():
     mid_pairs = moe.moe_gate_up(x, wg, wu, ids, 10.0, gu_cfg)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0)
     assert rel_err(mid, mid_pairs) < F32_TOL
-    for warps, maxnreg in ((4, 0), (2, 0), (4, 96)):  # the tensor-core gate/up (mma.sync on the device)
-        cfg = replace(moe_grouped.CONFIG, mma=True, warps=warps, maxnreg=maxnreg)
+    for warps, maxnreg, ld128 in ((4, 0, False), (2, 0, True), (4, 96, True)):  # the tensor-core gate/up
+        cfg = replace(moe_grouped.CONFIG, mma=True, warps=warps, maxnreg=maxnreg, mma_ld128=ld128)
         assert rel_err(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg), mid_pairs) < F32_TOL
     want_dn = moe.moe_down(mid_pairs, w, wd, ids, dn_cfg)
     for warps in (4, 2):  # the tensor-core down

@@ -103,10 +103,16 @@ GU_VARIANTS = [
     # dp4a kernel's 209 / 265 for 64 at 1 / 2 pairs): 4 warps (80 registers), capped at 96 (no stack), 2
     # warps (148 registers), 8 warps, and the tables through L1
     replace(moe_grouped.CONFIG, mma=True),
-    replace(moe_grouped.CONFIG, mma=True, maxnreg=96),
-    replace(moe_grouped.CONFIG, mma=True, warps=2),
     replace(moe_grouped.CONFIG, mma=True, warps=8),
     replace(moe_grouped.CONFIG, mma=True, lds=False, lds_rep=1),
+    # ... all slower than the dp4a kernel (H100, B = 32: 548-608 vs 501 us). Its loads are in the fragment
+    # layout: a lane reads 8 bytes of a row (its quad the same 8), 25 % of each sector; 16-byte loads
+    # (mma_ld128) test whether the L1 sectors bound it
+    replace(moe_grouped.CONFIG, mma=True, maxnreg=96),
+    replace(moe_grouped.CONFIG, mma=True, maxnreg=96, mma_ld128=True),
+    replace(moe_grouped.CONFIG, mma=True, warps=2),
+    replace(moe_grouped.CONFIG, mma=True, warps=2, mma_ld128=True),
+    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -160,6 +166,7 @@ def gu_label(c: GroupedConfig) -> str:
             + " lds" * c.lds
             + f" x{c.lds_rep}" * (c.lds_rep > 1)
             + f" r{c.maxnreg}" * bool(c.maxnreg)
+            + " ld128" * c.mma_ld128
         )
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}" + " pf" * c.prefetch
 
@@ -431,6 +438,7 @@ _DN_MMA_SIG = {
 def _mma_compile(c: GroupedConfig) -> bool:
     """Report the tensor-core gate/up's build (one k loop: every pair count up to 4 runs the same code)."""
     consts = {"WARPS": c.warps, "CLAMP": True, "PTX": True, "LDS": c.lds_rep if c.lds else 0}
+    consts["LD128"] = c.mma_ld128
     try:
         k = _compile(moe_grouped._gate_up_mma_kernel, _MMA_SIG, consts, c.warps, c.maxnreg)
         res, n, _ = _sass_stats(k.asm["cubin"])

@@ -5,7 +5,9 @@
 #           kernels), the per-layer bench with the mma variants, whole B = 16 / 32 steps with each and both.
 #   part b (H200, the whole q2 model): the bars at the defaults (ds4-bench sweep 2k / 64k), B = 1 / 16 / 32
 #           steps at 8k with the mma gate/up as the variant.
-# Usage: bash tools/gpu/session26.sh a|b
+#   part c (little device time left): the Flash-width GPU test and the per-layer bench (the 16-byte-load
+#           mma variants: does the L1 sector use bound the mma kernels?).
+# Usage: bash tools/gpu/session26.sh a|b|c
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=4 run tests 110 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
@@ -19,4 +21,9 @@ if [ "$1" = b ]; then
     --step-mul 32 -n 64
   TAIL=10 run steps "$(left)" python3 tools/gpu/batch_check.py --variants "grouped mma both" \
     --batches 1,16,32 --ctx 8192 --steps 16
+fi
+if [ "$1" = c ]; then
+  TAIL=3 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
+    -k "flash"
+  TAIL=16 run bench1 "$(left)" python3 tools/gpu/bench_moe_grouped.py --latest "$OUT/b1"
 fi
