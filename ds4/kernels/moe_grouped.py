@@ -341,6 +341,14 @@ def _gate_up_grouped_kernel(
 # default layout of a 1-D tensor of the thread count; no layout conversion anywhere). Written by hand
 # because the fragment layout is the point: tl.dot would want the decoded weights in its own operand
 # layout (a shared-memory round trip per sub-block) and pads the pair dimension to 16.
+# Session 26 (H100, tools/gpu/bench_moe_grouped.py --latest, per layer): correct (GPU tests), but slower
+# than the dp4a kernels although its k loop issues ~2.7 instructions a weight against ~3.7 at B = 32:
+# gate/up B = 8 / 16 / 32 208-222 / 346-401 / 548-608 us vs 150.6 / 279.9 / 501.4; down (_down_mma_kernel)
+# 112-114 / 193-194 / 300-303 vs the pair kernel's 69.3 / 113.8 / 190.3; whole B = 16 / 32 steps (30
+# layers, both on) x0.745 / x0.788. The loads are in the fragment layout: a lane reads 8 bytes of a row
+# and its quad the same 8, a quarter of each 32-byte sector where the dp4a kernels load whole rows, so the
+# likely bound is the L1 (as session 14 found for the gathers). Off; mma_ld128 (16-byte loads) is built
+# but untimed; the next step is a weight tile staged in shared memory by coalesced loads.
 
 
 @triton.jit
@@ -764,10 +772,11 @@ class GroupedConfig:
     # down by the pair kernel (pair_down): its MoeConfig.prefetch (moe._q2k_q8k_down_kernel)
     prefetch_dn: bool = False
     # gate/up on the int8 tensor cores (_gate_up_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a
-    # program; two planes, the nibble tables with lds / lds_rep as set, sign nibbles gathered)
+    # program; two planes, the nibble tables with lds / lds_rep as set, sign nibbles gathered). Session 26:
+    # slower (see the kernel's comment), off
     mma: bool = False
     # down on the int8 tensor cores (_down_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a program;
-    # two planes), instead of the pair kernel (pair_down) or the grouped dp4a one
+    # two planes), instead of the pair kernel (pair_down) or the grouped dp4a one. Session 26: slower, off
     mma_dn: bool = False
     # mma: the weight words two at a time (16-byte loads; session 26's test of what bounds the mma kernels)
     mma_ld128: bool = False

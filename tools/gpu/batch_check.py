@@ -175,7 +175,7 @@ def _variants() -> dict[str, dict]:
         "grouped lds preg": grouped(lds=True, lds_rep=1, pos_reg=True),
         "grouped lds x16": grouped(lds=True, lds_rep=16),
         "grouped lds x32": grouped(lds=True, lds_rep=32),
-        "grouped mma": grouped(mma=True),  # session 26: gate/up on the int8 tensor cores
+        "grouped mma": grouped(mma=True),  # session 26: gate/up / down on the int8 tensor cores (slower)
         "grouped mma r96": grouped(mma=True, maxnreg=96),
         "grouped mma dn": grouped(mma_dn=True),
         "grouped mma both": grouped(mma=True, mma_dn=True),
