@@ -193,12 +193,7 @@ def _pair_index(order_ptr, p, i, n_pairs):
 @triton.jit
 def _gu_store(out_ptr, pidx, g, u, n, F, clamp, ok, CLAMP: tl.constexpr):
     """mid row pidx [F] = clamped SwiGLU of the [BN, 8] partials g, u (where ok)."""
-    g = tl.sum(g, axis=1) * 0.125
-    u = tl.sum(u, axis=1) * 0.125
-    if CLAMP:
-        g = tl.minimum(g, clamp)  # the gate has no lower bound (§5.5)
-        u = tl.minimum(tl.maximum(u, -clamp), clamp)
-    tl.store(out_ptr + pidx * F + n, g / (1.0 + tl.exp(-g)) * u, mask=(n < F) & ok)
+    _swiglu_store(out_ptr, pidx, tl.sum(g, axis=1), tl.sum(u, axis=1), n, F, clamp, ok, CLAMP)
 
 
 @triton.jit
@@ -385,6 +380,17 @@ def _mma_rows(alo, ahi, b0, b1, W: tl.constexpr):
 
 
 @triton.jit
+def _mma_lanes(N, nb, NT: tl.constexpr):
+    """(gid, tid, n, r0, r1) [NT] of the lanes (lane = element % 32) of a program's warp tiles of 16 of N
+    rows: fragment group and thread in it, row n = gid of the warp's tile (n + 8 the other), the first
+    super-block (of nb a row) of rows n and n + 8 within the expert, clamped to its last row."""
+    lane = tl.arange(0, NT) % 32
+    gid, tid = lane // 4, lane % 4
+    n = tl.program_id(0) * NT // 2 + (tl.arange(0, NT) // 32) * 16 + gid  # NT / 2 = 16 rows a warp
+    return gid, tid, n, tl.minimum(n, N - 1) * nb, tl.minimum(n + 8, N - 1) * nb
+
+
+@triton.jit
 def _mad_wide(a, b, c, PTX: tl.constexpr):
     """c + a b: int32 a, b, int64 c (PTX mad.wide.s32, one IMAD.WIDE; LLVM's sign-extended multiply and
     64-bit add take ~4 instructions)."""
@@ -457,12 +463,8 @@ def _gate_up_mma_kernel(
     if LDS:
         if live:  # only programs that decode fill the shared tables (~30 % lead no chunk at B = 32)
             _lds_fill(tab64, ksm, PTX, LDS)
-    lane = tl.arange(0, NT) % 32
-    gid, tid = lane // 4, lane % 4
-    n = tl.program_id(0) * (16 * WARPS) + (tl.arange(0, NT) // 32) * 16 + gid  # row gid; gid + 8: n + 8
     nb = K // 256
-    r0 = tl.minimum(n, F - 1) * nb  # the rows' first super-block within the expert (int32 offsets)
-    r1 = tl.minimum(n + 8, F - 1) * nb
+    gid, tid, n, r0, r1 = _mma_lanes(F, nb, NT)
     eb = e * F * nb  # the expert's first super-block: uniform base pointers
     gq, gs, uq, us = gq + eb * 4, gs + eb * 4, uq + eb * 4, us + eb * 4
     gd, ud = gd + eb, ud + eb
@@ -502,13 +504,14 @@ def _gate_up_mma_kernel(
         u0 += (tl.load(ud + r0 + kt).to(tl.float32) * dx) * ua.to(tl.float32)
         u1 += (tl.load(ud + r1 + kt).to(tl.float32) * dx) * ub.to(tl.float32)
     ok = tid < cnt
-    _mma_store(out_ptr, pc, g0, u0, n, F, clamp, ok, CLAMP)
-    _mma_store(out_ptr, pc, g1, u1, n + 8, F, clamp, ok, CLAMP)
+    _swiglu_store(out_ptr, pc, g0, u0, n, F, clamp, ok, CLAMP)
+    _swiglu_store(out_ptr, pc, g1, u1, n + 8, F, clamp, ok, CLAMP)
 
 
 @triton.jit
-def _mma_store(out_ptr, pidx, g, u, n, F, clamp, ok, CLAMP: tl.constexpr):
-    """mid[pidx, n] = clamped SwiGLU of the scaled sums g, u ([NT]; the 1/8 of 2 ls + 1), where ok."""
+def _swiglu_store(out_ptr, pidx, g, u, n, F, clamp, ok, CLAMP: tl.constexpr):
+    """mid[pidx, n] = clamped SwiGLU of the gate / up sums g, u times 1/8 (the scale's 2 ls + 1 is 8 times
+    IQ2_XXS's), where ok: the store of both gate/up kernels."""
     g = g * 0.125
     u = u * 0.125
     if CLAMP:
@@ -537,12 +540,8 @@ def _down_mma_kernel(
     NT: tl.constexpr = 32 * WARPS
     p = tl.program_id(1)
     e, cnt, live = _run_chunk(eid_ptr, offs_ptr, p, E, 4)
-    lane = tl.arange(0, NT) % 32
-    gid, tid = lane // 4, lane % 4
-    n = tl.program_id(0) * (16 * WARPS) + (tl.arange(0, NT) // 32) * 16 + gid  # row gid; gid + 8: n + 8
     nb = F // 256
-    r0 = tl.minimum(n, D - 1) * nb  # the rows' first super-block within the expert (int32 offsets)
-    r1 = tl.minimum(n + 8, D - 1) * nb
+    gid, tid, n, r0, r1 = _mma_lanes(D, nb, NT)
     eb = e * D * nb  # the expert's first super-block: uniform base pointers
     qw, sc, dm = qw + eb * 16, sc + eb * 4, dm + eb
     pb = _pair_index(order_ptr, p, gid // 2, n_pairs)  # the B column's pair: plane gid % 2
