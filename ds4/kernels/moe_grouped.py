@@ -866,6 +866,8 @@ CONFIG = GroupedConfig(
     lds_rep=int(os.environ.get("DS4_MOE_GROUPED_LDS_REP", "16")) if _LDS else 1,
     prefetch=os.environ.get("DS4_MOE_GROUPED_PREFETCH", "0") == "1",
     prefetch_dn=os.environ.get("DS4_MOE_GROUPED_PREFETCH_DN", "0") == "1",
+    mma=_PRMT and os.environ.get("DS4_MOE_GROUPED_MMA", "0") == "1",  # session 26: slower, off
+    mma_dn=os.environ.get("DS4_MOE_GROUPED_MMA_DN", "0") == "1",
 )
 
 
