@@ -431,7 +431,7 @@ def _mma_sub(
 
 @triton.jit
 def _ld2(ptr, LD128: tl.constexpr):
-    """The int64 words at ptr and ptr + 1: one 16-byte load (LD128, GroupedConfig.mma_ld128: half the load
+    """(The int64 words at ptr and ptr + 1): one 16-byte load (LD128, GroupedConfig.mma_ld128: half the load
     instructions, 16 of a row's bytes a lane instead of 8), else two 8-byte loads."""
     if LD128:
         lo, hi = tl.inline_asm_elementwise(
@@ -441,15 +441,6 @@ def _ld2(ptr, LD128: tl.constexpr):
     else:
         lo, hi = tl.load(ptr), tl.load(ptr + 1)
     return lo, hi
-
-
-@triton.jit
-def _pick2(i: tl.constexpr, a, b):
-    """a if i == 0 else b (i a compile-time constant)."""
-    if i == 0:
-        return a
-    else:
-        return b
 
 
 @triton.jit
@@ -485,24 +476,20 @@ def _gate_up_mma_kernel(
         w0 = (r0 + kt) * 4
         w1 = (r1 + kt) * 4
         for jj in tl.static_range(2):  # words 2 jj, 2 jj + 1 (LD128: one 16-byte load for both)
-            gqa0, gqa1 = _ld2(gq + w0 + 2 * jj, LD128)
-            gqb0, gqb1 = _ld2(gq + w1 + 2 * jj, LD128)
-            gsa0, gsa1 = _ld2(gs + w0 + 2 * jj, LD128)
-            gsb0, gsb1 = _ld2(gs + w1 + 2 * jj, LD128)
-            uqa0, uqa1 = _ld2(uq + w0 + 2 * jj, LD128)
-            uqb0, uqb1 = _ld2(uq + w1 + 2 * jj, LD128)
-            usa0, usa1 = _ld2(us + w0 + 2 * jj, LD128)
-            usb0, usb1 = _ld2(us + w1 + 2 * jj, LD128)
-            for j2 in tl.static_range(2):
-                gqa, gqb = _pick2(j2, gqa0, gqa1), _pick2(j2, gqb0, gqb1)
-                gsa, gsb = _pick2(j2, gsa0, gsa1), _pick2(j2, gsb0, gsb1)
-                uqa, uqb = _pick2(j2, uqa0, uqa1), _pick2(j2, uqb0, uqb1)
-                usa, usb = _pick2(j2, usa0, usa1), _pick2(j2, usb0, usb1)
+            gqa, gqb = _ld2(gq + w0 + 2 * jj, LD128), _ld2(gq + w1 + 2 * jj, LD128)
+            gsa, gsb = _ld2(gs + w0 + 2 * jj, LD128), _ld2(gs + w1 + 2 * jj, LD128)
+            uqa, uqb = _ld2(uq + w0 + 2 * jj, LD128), _ld2(uq + w1 + 2 * jj, LD128)
+            usa, usb = _ld2(us + w0 + 2 * jj, LD128), _ld2(us + w1 + 2 * jj, LD128)
+            for j2 in tl.static_range(2):  # word 2 jj + j2 of each pair
                 for h in tl.static_range(2):
                     xw = tl.load(xo + kt * 32 + (4 * jj + 2 * j2 + h) * 4)
                     xl, xh = xw.to(tl.int32), (xw >> 32).to(tl.int32)
-                    ga, gb = _mma_sub(gqa, gqb, gsa, gsb, h, tid, xl, xh, ga, gb, tab64, ksm, PTX, LDS)
-                    ua, ub = _mma_sub(uqa, uqb, usa, usb, h, tid, xl, xh, ua, ub, tab64, ksm, PTX, LDS)
+                    ga, gb = _mma_sub(
+                        gqa[j2], gqb[j2], gsa[j2], gsb[j2], h, tid, xl, xh, ga, gb, tab64, ksm, PTX, LDS
+                    )
+                    ua, ub = _mma_sub(
+                        uqa[j2], uqb[j2], usa[j2], usb[j2], h, tid, xl, xh, ua, ub, tab64, ksm, PTX, LDS
+                    )
         dx = tl.load(dxo + kt)
         g0 += (tl.load(gd + r0 + kt).to(tl.float32) * dx) * ga.to(tl.float32)
         g1 += (tl.load(gd + r1 + kt).to(tl.float32) * dx) * gb.to(tl.float32)
@@ -1037,7 +1024,7 @@ def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, 
         xq.view(torch.int64), dx, g["qs"].view(torch.int64), g["sg"].view(torch.int64), g["d"],
         u["qs"].view(torch.int64), u["sg"].view(torch.int64), u["d"], *iq2_tables(xq.device, False, True),
         runs.order, runs.eid, runs.offsets, out, k, B * k, runs.n_experts, F, K, B * K // 8, float(clamp),
-        WARPS=cfg.warps, CLAMP=clamp > 0, PTX=ptx, LDS=(cfg.lds_rep if cfg.lds else 0) if ptx else 0,
+        WARPS=cfg.warps, CLAMP=clamp > 0, PTX=ptx, LDS=cfg.lds_rep if cfg.lds else 0,
         LD128=cfg.mma_ld128 and ptx,
         num_warps=cfg.warps, launch_pdl=PDL, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and ptx else {}),
     )  # fmt: skip

@@ -416,24 +416,9 @@ def _gu_build(c: GroupedConfig, pairs: int) -> tuple[dict[str, str], dict]:
     return sig, consts
 
 
-_MMA_SIG = {
-    **{n: t for n, t in _GU_SIG.items() if n not in ("K",)},
-    "xw_ptr": "*i64",
-    "gq": "*i64",
-    "gs": "*i64",
-    "uq": "*i64",
-    "us": "*i64",
-    "tab64": "*i32",
-    "ksm": "*i32",
-    "K": "i32",
-}
-
-
-_DN_MMA_SIG = {
-    **{n: t for n, t in _DN_SIG.items() if n not in ("xs_ptr", "sc", "dm")},
-    "sc": "*i32",
-    "dm": "*i32",
-}
+# the mma kernels' pointer types where they differ (_compile takes the kernel's own argument names)
+_MMA_SIG = {**_GU_SIG, "gq": "*i64", "gs": "*i64", "uq": "*i64", "us": "*i64", "tab64": "*i32", "ksm": "*i32"}
+_DN_MMA_SIG = {**_DN_SIG, "sc": "*i32", "dm": "*i32"}
 
 
 def _mma_compile(c: GroupedConfig) -> bool:
