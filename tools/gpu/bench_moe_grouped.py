@@ -3,6 +3,7 @@
 
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py [out_dir]        (< 90 s)
               ... --latest: gate/up only the engine's config and the last five variants
+              ... --pick=I,J,..: gate/up the engine's config and the variants at these indices
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py --compile-only   (sm_90 builds: registers
               and k-loop instructions of every gate/up variant at 1, 2 and its own pairs per program)
 
@@ -131,6 +132,11 @@ DN_VARIANTS = [
 if "--latest" in sys.argv:  # the engine's configs and this session's variants (the time budget)
     GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-5:]], [DN_VARIANTS[0], *DN_VARIANTS[-2:]]
     BATCHES = (32, 16, 8)  # the batch of issue 8's bar first
+for arg in sys.argv:  # --pick=I,J,..: the engine's configs and these gate/up variants (indices, -1 the last)
+    if arg.startswith("--pick="):
+        picked = [GU_VARIANTS[int(i)] for i in arg[len("--pick=") :].split(",")]
+        GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *picked], [DN_VARIANTS[0], *DN_VARIANTS[-2:]]
+        BATCHES = (32, 16, 8)
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")

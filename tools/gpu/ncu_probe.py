@@ -9,12 +9,14 @@ Flash widths, random valid blocks built on the GPU, one layer: the routed expert
 expert, the engine's moe_grouped.CONFIG) and B = 1 (the pair kernels, moe.GATE_UP / moe.DOWN), the Q8_0
 matvecs at B = 1 (q8_mv1) and B = 32 (q8_rows) on q_b and o_b. Everything is run twice before the range
 (compiles, allocator), then once inside it, so each kernel is profiled once and its name says what it is.
+--grouped: only the B = 32 grouped kernels, the engine's and the tensor-core ones (grouped_calls).
 With DS4_PDL=0 (the session script sets it) no kernel waits on a programmatic dependency.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -51,8 +53,27 @@ def _route(b: int, gen: torch.Generator) -> torch.Tensor:
     return (bias[None, :] - torch.log(-torch.log(u))).topk(TOPK, dim=1).indices.int().contiguous()
 
 
+def grouped_calls(gen: torch.Generator) -> list:
+    """--grouped: only the B = 32 routed experts, the engine's grouped launch then the tensor-core kernels
+    (GroupedConfig.mma with 16-byte loads, mma_dn), for their stall reasons side by side."""
+    wg, wu = _packed(GGMLType.IQ2_XXS, (E, F, K), gen), _packed(GGMLType.IQ2_XXS, (E, F, K), gen)
+    wd = _packed(GGMLType.Q2_K, (E, K, F), gen)
+    ids = _route(32, gen)
+    x = torch.randn(32, K, device=DEV, generator=gen)
+    mid = torch.randn(32, TOPK, F, device=DEV, generator=gen)
+    rw = torch.rand(32, TOPK, device=DEV, generator=gen)
+    r = moe_grouped.expert_runs(ids, E)
+    out = []
+    for cfg in (CFG, replace(CFG, mma=True, mma_ld128=True, mma_dn=True)):
+        out.append(lambda c=cfg: moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, CLAMP, c, r))
+        out.append(lambda c=cfg: moe_grouped.moe_down_grouped(mid, rw, wd, ids, c, r))
+    return out
+
+
 def calls(gen: torch.Generator) -> list:
     """The probed launches, each a no-argument callable."""
+    if "--grouped" in sys.argv:
+        return grouped_calls(gen)
     wg, wu = _packed(GGMLType.IQ2_XXS, (E, F, K), gen), _packed(GGMLType.IQ2_XXS, (E, F, K), gen)
     wd = _packed(GGMLType.Q2_K, (E, K, F), gen)
     out = []
