@@ -860,6 +860,7 @@ CONFIG = GroupedConfig(
     prefetch_dn=os.environ.get("DS4_MOE_GROUPED_PREFETCH_DN", "0") == "1",
     mma=_PRMT and os.environ.get("DS4_MOE_GROUPED_MMA", "0") == "1",  # session 26: slower, off
     mma_dn=os.environ.get("DS4_MOE_GROUPED_MMA_DN", "0") == "1",
+    mma_ld128=os.environ.get("DS4_MOE_GROUPED_MMA_LD128", "0") == "1",
 )
 
 

@@ -34,3 +34,9 @@ if [ "$1" = c ]; then  # Nsight Compute: stall reasons of the B = 32 grouped ker
     python3 tools/gpu/ncu_top.py "/tmp/sass_$k.csv" 25 | tee "$OUT/top_$k.txt"
   done
 fi
+if [ "$1" = d ]; then  # part a's winner on whole steps: the mma gate/up with 16-byte loads (x1.195 per layer)
+  TAIL=8 run steps 150 python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+    --variants "grouped mma ld128" --batches 16,32 --ctx 8192 --steps 16
+  TAIL=8 run check "$(left)" env DS4_MOE_GROUPED_MMA=1 DS4_MOE_GROUPED_MMA_LD128=1 python3 tools/gpu/batch_check.py \
+    --skip-time --check-batches 1,3,16
+fi
