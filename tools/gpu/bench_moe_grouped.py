@@ -114,6 +114,12 @@ GU_VARIANTS = [
     replace(moe_grouped.CONFIG, mma=True, warps=2),
     replace(moe_grouped.CONFIG, mma=True, warps=2, mma_ld128=True),
     replace(moe_grouped.CONFIG, mma=True, mma_ld128=True),
+    # session 27 (H100, B = 32: ld128 419.5 vs 501.3 us for the dp4a kernel, 561.4 with 8-byte loads; Nsight
+    # Compute: both kernels at 92-94 % of the L1/TEX throughput, ~half the dp4a kernel's shared wavefronts
+    # excess): the grid nibbles in 32 copies (one wavefront a lookup instead of two; 40 KB), 8 warps
+    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=32),
+    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=32, warps=8),
+    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, warps=8),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's

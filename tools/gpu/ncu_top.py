@@ -19,10 +19,11 @@ def _num(v: str) -> float:
 def top(path: str, n: int = 30) -> list[str]:
     with open(path, newline="") as f:
         lines = [ln for ln in f if ln.startswith('"')]  # the CSV rows (ncu prints ==PROF== lines too)
-    rows = list(csv.DictReader(lines))
+    head = next((i for i, ln in enumerate(lines) if '"Source"' in ln or '"Address"' in ln), 0)
+    rows = list(csv.DictReader(lines[head:]))
     if not rows:
         return [f"{path}: no rows"]
-    cols = list(rows[0])
+    cols = [c for c in rows[0] if c is not None]
     total = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None)
     src = next((c for c in cols if c.lower() == "source"), cols[1] if len(cols) > 1 else cols[0])
     reasons = [c for c in cols if c.lower().startswith("stall_") or c.startswith("smsp__pcsamp")]
