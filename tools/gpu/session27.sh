@@ -13,7 +13,7 @@ source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
   TAIL=3 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
     -k "flash"
-  TAIL=30 run bench1 110 python3 tools/gpu/bench_moe_grouped.py --pick=-11,-10,-9,-5,-4,-2,-1 "$OUT/b1"
+  TAIL=30 run bench1 110 python3 tools/gpu/bench_moe_grouped.py --pick=-14,-13,-12,-8,-7,-5,-4 "$OUT/b1"
   TAIL=12 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
     --variants "${VARIANTS:-grouped r64,grouped math r64}" --batches 16,32 --ctx 8192 --steps 16
 fi
