@@ -522,12 +522,16 @@ def _down_mma_kernel(
     (flat pair index) = weights[pair] * Wd[e] @ mid[pair]; qw [E D, F/16] quant words, sc [E D, F/64] scale
     words (4 group bytes each), dm [E D, F/256] (d, dmin) f16 pairs as int32.
 
-    One k32 step = shift t of half h: elements 32 t + l of the half's 32 bytes, groups (h, t, l // 16) of 16
-    (scale bytes 8 h + 2 t + l // 16). The scale sc <= 15 times the 2-bit quants q <= 3 fits a signed byte,
-    so A = sc q (a0 / a2: quant bytes 4 tid.. of the step's groups 0 / 1 of row gid; a1 / a3: row gid + 8)
-    and the integer sum I = sum sc q v of the super-block accumulates inside the mma; a second mma with A =
-    m replicated over its group's bytes gives M = sum m sum_16 v. Then y += d dx I - dmin dx M per
-    super-block (ref.q8k_matvec_row; |I| <= 256 * 45 * 32385 < 2^31)."""
+    Lane tid owns quant words 4 tid .. 4 tid + 3 of a super-block (one 16-byte load; the quad reads a row's
+    64 bytes whole): bytes l = 16 odd .. 16 odd + 15 of half h (h = tid / 2, odd = tid % 2), which at every
+    shift t are the 16 elements 128 h + 32 t + l of one group g = 8 h + 2 t + odd. So one k32 step = (shift
+    t, j): the lane's 8 elements l = 16 odd + 8 j .. + 7 (A words 4 tid + 2 j, + 1; its B words the x words
+    of the same elements, one 8-byte load), all of one group: its scale byte sc <= 15 times the 2-bit quants
+    q <= 3 fits a signed byte, so A = sc q and the integer sum I = sum sc q v of the super-block accumulates
+    inside the mma; a second mma with A = the group's min m in every byte gives M = sum m sum_16 v. Then
+    y += d dx I - dmin dx M per super-block (ref.q8k_matvec_row; |I| <= 256 * 45 * 32385 < 2^31).
+    Session 26's form (a k step = one shift of one half, quant and x words loaded 4 bytes at a time in the
+    fragment order) spent ~35 loads a lane and super-block; this one 15."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     NT: tl.constexpr = 32 * WARPS
     p = tl.program_id(1)
@@ -536,29 +540,31 @@ def _down_mma_kernel(
     gid, tid, n, r0, r1 = _mma_lanes(D, nb, NT)
     eb = e * D * nb  # the expert's first super-block: uniform base pointers
     qw, sc, dm = qw + eb * 16, sc + eb * 4, dm + eb
+    h, odd = tid // 2, tid % 2
     pb = _pair_index(order_ptr, p, gid // 2, n_pairs)  # the B column's pair: plane gid % 2
-    xo = xw_ptr + (gid % 2) * xplane + pb * (F // 4) + tid  # its word of elements 4 tid.. of group 0
+    xo = xw_ptr + (gid % 2) * xplane + pb * (F // 4) + 32 * h + 4 * odd  # x word of element 128 h + 16 odd
     pc = _pair_index(order_ptr, p, tid, n_pairs)  # the lane's C pair
     y0 = tl.zeros([NT], dtype=tl.float32)
     y1 = y0
     zero = tl.zeros([NT], dtype=tl.int32)
     for kt in range(0, tl.where(live, nb, 0)):
+        qa = _ld4(qw + (r0 + kt) * 16 + 4 * tid, PTX)  # row gid's quant words 4 tid ..
+        qb = _ld4(qw + (r1 + kt) * 16 + 4 * tid, PTX)  # row gid + 8's
+        sa = _ld4(sc + (r0 + kt) * 4, PTX)  # the 16 scale bytes of each row
+        sb = _ld4(sc + (r1 + kt) * 4, PTX)
         i0, i1, i2, i3 = zero, zero, zero, zero  # I of (row gid, row gid + 8) x (plane 1, plane 2)
         m0, m1, m2, m3 = zero, zero, zero, zero  # M likewise
-        for h in tl.static_range(2):
-            wq = qw + (r0 + kt) * 16 + 8 * h + tid  # quant words of row gid: groups l < 16 / l >= 16 at +4
-            vq = qw + (r1 + kt) * 16 + 8 * h + tid
-            qa, qb, qc, qd = tl.load(wq), tl.load(wq + 4), tl.load(vq), tl.load(vq + 4)
-            for t2 in tl.static_range(2):  # the scale word of shifts 2 t2, 2 t2 + 1
-                sa = tl.load(sc + (r0 + kt) * 4 + 2 * h + t2)
-                sb = tl.load(sc + (r1 + kt) * 4 + 2 * h + t2)
-                for tt in tl.static_range(2):  # shift t = 2 t2 + tt
-                    xw = xo + kt * 64 + 32 * h + 16 * t2 + 8 * tt
-                    b0, b1 = tl.load(xw), tl.load(xw + 4)
-                    a0, a2, ma0, ma2 = _q2k_mma_a(qa, qb, sa, 2 * tt, 2 * t2 + tt, zero, PTX)
-                    a1, a3, ma1, ma3 = _q2k_mma_a(qc, qd, sb, 2 * tt, 2 * t2 + tt, zero, PTX)
-                    i0, i1, i2, i3 = _mma_i8(a0, a1, a2, a3, b0, b1, i0, i1, i2, i3, PTX)
-                    m0, m1, m2, m3 = _mma_i8(ma0, ma1, ma2, ma3, b0, b1, m0, m1, m2, m3, PTX)
+        for t in tl.static_range(4):
+            sca, mra = _q2k_group(sa, h, odd, t, zero, PTX)
+            scb, mrb = _q2k_group(sb, h, odd, t, zero, PTX)
+            for j in tl.static_range(2):
+                b0, b1 = _ld2w(xo + kt * 64 + 8 * t + 2 * j, PTX)
+                a0 = ((qa[2 * j] >> (2 * t)) & 0x03030303) * sca  # <= 45 a byte: no carries
+                a2 = ((qa[2 * j + 1] >> (2 * t)) & 0x03030303) * sca
+                a1 = ((qb[2 * j] >> (2 * t)) & 0x03030303) * scb
+                a3 = ((qb[2 * j + 1] >> (2 * t)) & 0x03030303) * scb
+                i0, i1, i2, i3 = _mma_i8(a0, a1, a2, a3, b0, b1, i0, i1, i2, i3, PTX)
+                m0, m1, m2, m3 = _mma_i8(mra, mrb, mra, mrb, b0, b1, m0, m1, m2, m3, PTX)
         dx = tl.load(dx_ptr + pc * nb + kt)
         y0 = _q2k_mma_scale(y0, i0 * 254 + i1, m0 * 254 + m1, tl.load(dm + r0 + kt), dx)
         y1 = _q2k_mma_scale(y1, i2 * 254 + i3, m2 * 254 + m3, tl.load(dm + r1 + kt), dx)
@@ -569,21 +575,38 @@ def _down_mma_kernel(
 
 
 @triton.jit
-def _q2k_mma_a(qlo, qhi, sw, b: tl.constexpr, t: tl.constexpr, zero, PTX: tl.constexpr):
-    """A words of one row for shift t: (sc q of the group l < 16, of the group l >= 16, m replicated over
-    the first group's bytes, over the second's) from the quant words qlo / qhi and the scale word sw whose
-    bytes b, b + 1 are the two groups' (scale | min << 4)."""
-    q0 = (qlo >> (2 * t)) & 0x03030303
-    q1 = (qhi >> (2 * t)) & 0x03030303
-    s = sw & 0x0F0F0F0F
-    m = (sw >> 4) & 0x0F0F0F0F
-    sel0: tl.constexpr = 0x4440 + b  # byte b alone
-    sel1: tl.constexpr = 0x4440 + b + 1
-    rep0: tl.constexpr = 0x1111 * b  # byte b in all four
-    rep1: tl.constexpr = 0x1111 * (b + 1)
-    a0 = q0 * _prmt(s, zero, zero + sel0, PTX)  # <= 45 a byte: no carries
-    a1 = q1 * _prmt(s, zero, zero + sel1, PTX)
-    return a0, a1, _prmt(m, zero, zero + rep0, PTX), _prmt(m, zero, zero + rep1, PTX)
+def _q2k_group(s4, h, odd, t: tl.constexpr, zero, PTX: tl.constexpr):
+    """(scale sc, min m in all four bytes) [NT] int32 of the lane's group g = 8 h + 2 t + odd at shift t,
+    from a row's 4 scale words s4 (byte g = scale | min << 4 in word g / 4 = 2 h + t / 2)."""
+    w = tl.where(h == 0, s4[t // 2], s4[2 + t // 2])
+    b = _prmt(w, zero, zero + (0x4440 + 2 * (t % 2)) + odd, PTX)  # byte 2 (t % 2) + odd of the word alone
+    return b & 15, (b >> 4) * 0x01010101
+
+
+@triton.jit
+def _ld4(ptr, PTX: tl.constexpr):
+    """(The int32 words at ptr .. ptr + 3): one 16-byte load (PTX; ptr 16-byte aligned), else four."""
+    if PTX:
+        w = tl.inline_asm_elementwise(
+            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        w = tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
+    return w
+
+
+@triton.jit
+def _ld2w(ptr, PTX: tl.constexpr):
+    """(The int32 words at ptr, ptr + 1): one 8-byte load (PTX; ptr 8-byte aligned), else two."""
+    if PTX:
+        w = tl.inline_asm_elementwise(
+            "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [ptr], dtype=(tl.int32, tl.int32),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        w = tl.load(ptr), tl.load(ptr + 1)
+    return w
 
 
 @triton.jit

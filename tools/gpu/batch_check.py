@@ -183,6 +183,7 @@ def _variants() -> dict[str, dict]:
         "grouped mma w8": grouped(mma=True, warps=8),
         "grouped mma ld128": grouped(mma=True, mma_ld128=True),  # session 27: per layer x1.195 at B = 32
         "grouped mma ld128 x32": grouped(mma=True, mma_ld128=True, lds_rep=32),
+        "grouped mma both ld128": grouped(mma=True, mma_ld128=True, mma_dn=True),  # + session 27's mma down
         "grouped r64": grouped(maxnreg=64),
         "grouped math r64": grouped(sign_math=True, maxnreg=64),
         "grouped lds x32 r64": grouped(lds_rep=32, maxnreg=64),

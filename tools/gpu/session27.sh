@@ -6,7 +6,8 @@
 #           (is the L1 sector use what bounds them?), then 30-layer B = 16 / 32 steps with the r64 variants.
 #   part b (H200, the whole q2 model): the bars at the defaults (ds4-bench sweep 2k / 64k) and B = 1 / 32.
 #   part d: the mma gate/up with 16-byte loads (part a: x1.195 per layer at B = 32) and its 32-copy /
-#           8-warp forms per layer, on whole 30-layer steps, and the batched-vs-alone check with it on.
+#           8-warp forms per layer, the mma down rebuilt around 16-byte loads (15 loads a lane and
+#           super-block instead of 35), both on whole 30-layer steps, the batched-vs-alone check.
 #   part c: Nsight Compute on the B = 32 grouped kernels (ncu_probe.py --grouped): stall reasons, dp4a vs mma.
 # Usage: bash tools/gpu/session27.sh a|b|c|d   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -37,9 +38,11 @@ if [ "$1" = c ]; then  # Nsight Compute: stall reasons of the B = 32 grouped ker
   done
 fi
 if [ "$1" = d ]; then  # part a's winner on whole steps: the mma gate/up with 16-byte loads (x1.195 per layer)
+  TAIL=3 run tests 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
+    -k "flash"
   TAIL=16 run bench1 80 python3 tools/gpu/bench_moe_grouped.py --pick=-4,-3,-2,-1 "$OUT/b1"
-  TAIL=8 run steps 170 python3 tools/gpu/batch_check.py --skip-check --layers 30 \
-    --variants "${VARIANTS:-grouped mma ld128,grouped mma ld128 x32}" --batches 16,32 --ctx 8192 --steps 16
-  TAIL=8 run check "$(left)" env DS4_MOE_GROUPED_MMA=1 DS4_MOE_GROUPED_MMA_LD128=1 python3 tools/gpu/batch_check.py \
+  TAIL=8 run steps 150 python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+    --variants "${VARIANTS:-grouped mma ld128,grouped mma both ld128}" --batches 16,32 --ctx 8192 --steps 16
+  TAIL=8 run check "$(left)" env DS4_MOE_GROUPED_MMA=1 DS4_MOE_GROUPED_MMA_LD128=1 DS4_MOE_GROUPED_MMA_DN=1 python3 tools/gpu/batch_check.py \
     --skip-time --check-batches 1,3,16
 fi
