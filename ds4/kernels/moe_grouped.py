@@ -347,8 +347,11 @@ def _gate_up_grouped_kernel(
 # 112-114 / 193-194 / 300-303 vs the pair kernel's 69.3 / 113.8 / 190.3; whole B = 16 / 32 steps (30
 # layers, both on) x0.745 / x0.788. The loads are in the fragment layout: a lane reads 8 bytes of a row
 # and its quad the same 8, a quarter of each 32-byte sector where the dp4a kernels load whole rows, so the
-# likely bound is the L1 (as session 14 found for the gathers). Off; mma_ld128 (16-byte loads) is built
-# but untimed; the next step is a weight tile staged in shared memory by coalesced loads.
+# likely bound is the L1 (as session 14 found for the gathers). Session 27 (Nsight Compute, H100, B = 32):
+# the dp4a kernel and this one both at 92-94 % of the L1/TEX throughput (the table lookups' bank conflicts
+# half their shared wavefronts); with mma_ld128 (16-byte loads: half the weight-load instructions) this
+# kernel is the faster one: per layer B = 8 / 16 / 32 153.1 / 267.0 / 419.5 us vs 152.6 / 281.9 / 501.3
+# (x1.195 at B = 32). Off until whole steps and the batched-vs-alone check confirm it (session27.sh e).
 
 
 @triton.jit
@@ -790,9 +793,12 @@ class GroupedConfig:
     # slower (see the kernel's comment), off
     mma: bool = False
     # down on the int8 tensor cores (_down_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a program;
-    # two planes), instead of the pair kernel (pair_down) or the grouped dp4a one. Session 26: slower, off
+    # two planes), instead of the pair kernel (pair_down) or the grouped dp4a one. Session 26's form: slower
+    # (L1/TEX-bound, 98.6 %); session 27 rebuilt it around 16-byte loads (15 loads a lane and super-block
+    # instead of 35): untimed, off
     mma_dn: bool = False
-    # mma: the weight words two at a time (16-byte loads; session 26's test of what bounds the mma kernels)
+    # mma: the weight words two at a time (16-byte loads). Session 27 (H100, per layer): B = 32 419.5 vs 561.4
+    # us with 8-byte loads and 501.3 for the dp4a kernel; off with mma until whole steps confirm it
     mma_ld128: bool = False
 
     def __post_init__(self) -> None:
