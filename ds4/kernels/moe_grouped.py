@@ -28,9 +28,10 @@ session 14 the down projection runs moe.py's pair kernel by default (GroupedConf
 registers it outran the grouped one's 153 once both read coalesced rows); the grouped one stays as the
 switch.
 
-GroupedConfig.mma / mma_dn (session 26, off): both projections on the int8 tensor cores, one mma.sync per
-sub-block of 16 rows x 4 pairs x 2 planes (see "Gate/up on the int8 tensor cores" below); correct, slower
-on an H100 (their loads follow the fragment layout).
+GroupedConfig.mma / mma_dn (sessions 26-27, off): both projections on the int8 tensor cores, one mma.sync
+per sub-block of 16 rows x 4 pairs x 2 planes (see "Gate/up on the int8 tensor cores" below); correct. All
+these kernels are bound by the L1/TEX unit (session 27's counters), so their loads decide: the gate/up with
+16-byte loads (mma_ld128) beats the dp4a kernel per layer at B >= 16 on an H100.
 
 Legend: B rows, k experts per row, P = B k pairs, K model width (4096), F expert width (2048), E experts,
 D down output rows (= K), PT pairs per program, BN output rows per program, nb super-blocks per row,
