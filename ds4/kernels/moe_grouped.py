@@ -352,7 +352,9 @@ def _gate_up_grouped_kernel(
 # the dp4a kernel and this one both at 92-94 % of the L1/TEX throughput (the table lookups' bank conflicts
 # half their shared wavefronts); with mma_ld128 (16-byte loads: half the weight-load instructions) this
 # kernel is the faster one: per layer B = 8 / 16 / 32 153.1 / 267.0 / 419.5 us vs 152.6 / 281.9 / 501.3
-# (x1.195 at B = 32). Off until whole steps and the batched-vs-alone check confirm it (session27.sh e).
+# (x1.195 at B = 32); whole 30-layer steps (batch_check.py, 8k) B = 16 / 32 x1.032 / x1.080 (30.68 vs
+# 33.13 ms). Off until the batched-vs-alone check has run with it on (session27.sh f; cut by the device
+# budget in session 27).
 
 
 @triton.jit
@@ -796,10 +798,11 @@ class GroupedConfig:
     # down on the int8 tensor cores (_down_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a program;
     # two planes), instead of the pair kernel (pair_down) or the grouped dp4a one. Session 26's form: slower
     # (L1/TEX-bound, 98.6 %); session 27 rebuilt it around 16-byte loads (15 loads a lane and super-block
-    # instead of 35): untimed, off
+    # instead of 35): correct (GPU test), but with the mma gate/up whole B = 16 / 32 steps x0.992 / x1.054
+    # against that gate/up alone's x1.032 / x1.080: slower than the pair kernel still, off
     mma_dn: bool = False
     # mma: the weight words two at a time (16-byte loads). Session 27 (H100, per layer): B = 32 419.5 vs 561.4
-    # us with 8-byte loads and 501.3 for the dp4a kernel; off with mma until whole steps confirm it
+    # us with 8-byte loads and 501.3 for the dp4a kernel; whole steps x1.080 (see _gate_up_mma_kernel)
     mma_ld128: bool = False
 
     def __post_init__(self) -> None:
