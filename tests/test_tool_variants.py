@@ -34,3 +34,21 @@ def test_bench_moe_grouped_labels_distinct():
     # the engine's config first; the session-25 variants are told apart by their labels
     assert bmg.GU_VARIANTS[0].lds_rep == 16 and " x16" in labels[0]
     assert len(set(labels[-4:])) == 4
+
+
+def test_ncu_top_ranks_stall_lines(tmp_path):
+    """tools/gpu/ncu_top.py reads an ncu source-page CSV after its ==PROF== lines and ranks the SASS lines by
+    stall samples, naming each line's largest reasons."""
+    import ncu_top  # noqa: PLC0415
+
+    f = tmp_path / "sass.csv"
+    f.write_text(
+        "==PROF== Connected\n"
+        '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_wait"\n'
+        '"0x10","IMAD R3, R1","25","0","25"\n'
+        '"0x20","LDS R1, [R2]","75","60","15"\n'
+    )
+    out = ncu_top.top(str(f), 5)
+    assert out[0].endswith("2 SASS lines, 100 stall samples")
+    assert "75.0 %" in out[1] and "LDS" in out[1] and "long_sb 60" in out[1]
+    assert "IMAD" in out[2] and "wait 25" in out[2]
