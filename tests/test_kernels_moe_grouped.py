@@ -131,6 +131,7 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"prmt": True, "lds": True, "prefetch": True},
         {"prmt": True, "lds": True, "lds_rep": 16},
         {"prmt": True, "lds": True, "lds_rep": 32},
+        {"prmt": True, "lds": True, "lds_rep": 64},
         {"prmt": True, "lds": True, "lds_rep": 16, "maxnreg": 64},
         {"prmt": True, "lds": True, "lds_rep": 16, "sign_math": True},
         {"prmt": True, "lds": True, "lds_rep": 8, "pos_reg": True},
@@ -293,8 +294,10 @@ def test_flash_widths_match_pair_kernels_and_capture():
     mid_pairs = moe.moe_gate_up(x, wg, wu, ids, 10.0, gu_cfg)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0)
     assert rel_err(mid, mid_pairs) < F32_TOL
-    for warps, maxnreg, ld128 in ((4, 0, False), (2, 0, True), (4, 96, True)):  # the tensor-core gate/up
+    mma_builds = ((4, 0, False, 16), (2, 0, True, 16), (4, 96, True, 16), (8, 0, True, 64))
+    for warps, maxnreg, ld128, rep in mma_builds:  # the tensor-core gate/up (warps, cap, ld128, copies)
         cfg = replace(moe_grouped.CONFIG, mma=True, warps=warps, maxnreg=maxnreg, mma_ld128=ld128)
+        cfg = replace(cfg, lds_rep=rep)
         assert rel_err(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg), mid_pairs) < F32_TOL
     want_dn = moe.moe_down(mid_pairs, w, wd, ids, dn_cfg)
     for warps in (4, 2):  # the tensor-core down

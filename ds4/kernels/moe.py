@@ -553,7 +553,8 @@ def _lds_fill(nib, snib, PTX: tl.constexpr, REP: tl.constexpr = 1):
 @triton.jit
 def _lds_fill_rep(nib, snib, REP: tl.constexpr):
     """_lds_fill for REP copies (8, 16; 32: the grid nibbles in 32 copies, the sign nibbles in 16 from word
-    8192, 40 KB): each thread stores its word of every 128-word chunk once a copy."""
+    8192, 40 KB; 64: both in 32 copies, the sign nibbles from word 8192, 48 KB, no conflicts at all): each
+    thread stores its word of every 128-word chunk once a copy."""
     if REP == 8:
         tl.inline_asm_elementwise(
             ".shared .align 16 .b32 ds4_iq2_tabs[3072];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
@@ -564,18 +565,26 @@ def _lds_fill_rep(nib, snib, REP: tl.constexpr):
             ".shared .align 16 .b32 ds4_iq2_tabs[6144];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
             dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
-    else:
-        tl.static_assert(REP == 32, "lds_rep: 8, 16 or 32 copies")
+    elif REP == 32:
         tl.inline_asm_elementwise(
             ".shared .align 16 .b32 ds4_iq2_tabs[10240];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
             dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
+    else:
+        tl.static_assert(REP == 64, "lds_rep: 8, 16, 32 or 64 (both tables in 32 copies) copies")
+        tl.inline_asm_elementwise(
+            ".shared .align 16 .b32 ds4_iq2_tabs[12288];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    G: tl.constexpr = 32 if REP == 64 else REP  # the grid nibbles' copies
     for j in tl.static_range(2):
         t = j * 128 + tl.arange(0, 128)
-        _store_copies(t * REP, t, tl.load(nib + t), REP)
+        _store_copies(t * G, t, tl.load(nib + t), G)
     s = tl.arange(0, 128)
     if REP == 32:
         _store_copies(8192 + s * 16, s, tl.load(snib + s), 16)
+    elif REP == 64:
+        _store_copies(8192 + s * 32, s, tl.load(snib + s), 32)
     else:
         _store_copies((256 + s) * REP, s, tl.load(snib + s), REP)
     tl.debug_barrier()
@@ -599,12 +608,15 @@ def _lds_rep(i, SIGN: tl.constexpr, REP: tl.constexpr):
     loop)."""
     i = i.to(tl.int32)
     zero = i * 0
-    if REP == 32 and not SIGN:
+    if (REP == 32 and not SIGN) or REP == 64:  # 32 copies: lane l's own bank
         off = _asm1(
             "{ .reg .u32 l; mov.u32 l, %laneid; mov.u32 $0, ds4_iq2_tabs; mad.lo.u32 $0, l, 4, $0;"
             " add.u32 $0, $0, $1; }", zero,
         )  # fmt: skip
-        w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 128, $2; ld.shared.b32 $0, [a]; }", i, off)
+        if SIGN:  # REP 64: the sign nibbles' 32 copies from word 8192 (the load's immediate)
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 128, $2; ld.shared.b32 $0, [a+32768]; }", i, off)
+        else:
+            w = _asm2("{ .reg .u32 a; mad.lo.u32 a, $1, 128, $2; ld.shared.b32 $0, [a]; }", i, off)
     elif REP == 8:
         off = _asm1(
             "{ .reg .u32 l; mov.u32 l, %laneid; and.b32 l, l, 7; mov.u32 $0, ds4_iq2_tabs;"

@@ -120,6 +120,9 @@ GU_VARIANTS = [
     replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=32),
     replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=32, warps=8),
     replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, warps=8),
+    # ... and both tables in 32 copies (lds_rep 64, 48 KB: no lookup conflicts at all), 4 / 8 warps
+    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=64),
+    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=64, warps=8),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
