@@ -15,10 +15,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import moe, moe_grouped, ref
-from ds4.kernels.packing import pack
+from ds4.kernels.packing import iq2_sign_nibbles, pack
 from ds4.quant import GGMLType, random_blocks
 
 F32_TOL = 1e-5
@@ -40,6 +42,7 @@ CONFIGS = [
     # the fragments runs in the interpreter through _mma_rows, the PTX mma on a GPU)
     moe_grouped.GroupedConfig(mma=True, prmt=True, warps=1, mma_dn=True),
     moe_grouped.GroupedConfig(mma=True, prmt=True, lds=True, lds_rep=16, warps=2, mma_dn=True),
+    moe_grouped.GroupedConfig(mma=True, prmt=True, warps=1, sign_math=False, sign_prmt=True),  # signs by PRMT
 ]
 
 
@@ -132,6 +135,8 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"prmt": True, "lds": True, "lds_rep": 16},
         {"prmt": True, "lds": True, "lds_rep": 32},
         {"prmt": True, "lds": True, "lds_rep": 64},
+        {"prmt": True, "lds": True, "lds_rep": 16, "sign_prmt": True},
+        {"prmt": True, "sign_prmt": True},
         {"prmt": True, "lds": True, "lds_rep": 16, "maxnreg": 64},
         {"prmt": True, "lds": True, "lds_rep": 16, "sign_math": True},
         {"prmt": True, "lds": True, "lds_rep": 8, "pos_reg": True},
@@ -272,6 +277,22 @@ def test_bad_input_is_named():
         moe_grouped.GroupedConfig(prmt=True, grid16=True, pos_reg=True)
     with pytest.raises(ValueError, match="lds needs"):
         moe_grouped.GroupedConfig(prmt=True, sign_math=False, lds=True, smem=1)
+    with pytest.raises(ValueError, match="sign_prmt needs"):
+        moe_grouped.GroupedConfig(prmt=True, sign_math=True, sign_prmt=True)
+
+
+@triton.jit
+def _sign_sel_kernel(out_ptr, PTX: tl.constexpr):
+    si = tl.arange(0, 128)
+    tl.store(out_ptr + si, moe._sign_sel(si, PTX))
+
+
+def test_sign_sel_is_the_sign_nibble_table():
+    """moe._sign_sel (GroupedConfig.sign_prmt: the sign nibbles by one byte permute) equals the table it
+    replaces, iq2_sign_nibbles (built from KSIGNS), at all 128 sign indices: the parity bit included."""
+    out = torch.zeros(128, dtype=torch.int32, device=DEVICE)
+    _sign_sel_kernel[(1,)](out, PTX=CUDA)
+    assert torch.equal(out.cpu(), iq2_sign_nibbles(torch.device("cpu")).cpu())
 
 
 @pytest.mark.cuda
@@ -294,10 +315,11 @@ def test_flash_widths_match_pair_kernels_and_capture():
     mid_pairs = moe.moe_gate_up(x, wg, wu, ids, 10.0, gu_cfg)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0)
     assert rel_err(mid, mid_pairs) < F32_TOL
-    mma_builds = ((4, 0, False, 16), (2, 0, True, 16), (4, 96, True, 16), (8, 0, True, 64))
-    for warps, maxnreg, ld128, rep in mma_builds:  # the tensor-core gate/up (warps, cap, ld128, copies)
+    mma_builds = ((4, 0, False, 16, 0), (2, 0, True, 16, 0), (4, 96, True, 16, 0), (8, 0, True, 64, 0))
+    mma_builds += ((4, 0, True, 16, 1),)
+    for warps, maxnreg, ld128, rep, sprmt in mma_builds:  # the tensor-core gate/up
         cfg = replace(moe_grouped.CONFIG, mma=True, warps=warps, maxnreg=maxnreg, mma_ld128=ld128)
-        cfg = replace(cfg, lds_rep=rep)
+        cfg = replace(cfg, lds_rep=rep, sign_prmt=bool(sprmt))
         assert rel_err(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg), mid_pairs) < F32_TOL
     want_dn = moe.moe_down(mid_pairs, w, wd, ids, dn_cfg)
     for warps in (4, 2):  # the tensor-core down

@@ -495,6 +495,20 @@ def _sign_nibbles(n):
 
 
 @triton.jit
+def _sign_sel(si, PTX: tl.constexpr):
+    """iq2_sign_nibbles[si] computed for sign indices si (int32 0..127): bit 4 j + 2 set where bit j of
+    KSIGNS[si] is (bit 7: the parity of si). The 7 bits and the parity as four 2-bit fields, field k spread to
+    nibble k (two shifted ORs), then one byte permute of the word whose byte f is the pattern of field value
+    f (element 2k's sign at bit 2, element 2k + 1's at bit 6): byte k of the result holds nibbles 2k, 2k + 1.
+    ~8 ALU ops a group instead of a shared-table lookup (the lookups bound the grouped gate/up's L1/TEX
+    unit: session 27)."""
+    par = (tl.full(si.shape, 0x6996, tl.int32) >> ((si ^ (si >> 4)) & 15)) & 1
+    x = (si | (si << 4)) & 0x0F0F  # fields 0, 1 at bits 0-3, fields 2, 3 at bits 8-11
+    x = ((x | (x << 2)) & 0x3333) | (par << 13)  # field k at bits 4k, 4k + 1; bit 7 of KSIGNS = parity
+    return _prmt(tl.full(si.shape, 0x44400400, tl.int32), si * 0, x, PTX)
+
+
+@triton.jit
 def _spread_codes(c):
     """int32 c whose low 16 bits hold 8 2-bit codes (element j at bits 2j: iq2xxs_codes16; the sign-extended
     top bits are dropped) -> the nibble word of iq2xxs_nibbles (code j at bits 4j): elements 4-7 to bits
@@ -704,7 +718,10 @@ def _prmt_words(
         a = tl.zeros_like(w) + tl.load(nib + 256)
     else:
         a = tl.full(w.shape, _PRMT_POS, tl.int32)
-    if SIGN_MATH:
+    if SIGN_MATH == 2:  # GroupedConfig.sign_prmt: the sign nibbles by one byte permute (_sign_sel)
+        lo = w | _sign_sel(si, PTX)
+        hi = lo >> 16
+    elif SIGN_MATH:
         par = (tl.full(si.shape, 0x6996, tl.int32) >> ((si ^ (si >> 4)) & 15)) & 1
         lo = w | _sign_nibbles(si & 15)
         hi = (w >> 16) | _sign_nibbles(((si >> 4) & 7) | (par << 3))

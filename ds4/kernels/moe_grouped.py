@@ -416,7 +416,8 @@ def _mad_wide(a, b, c, PTX: tl.constexpr):
 
 @triton.jit
 def _mma_sub(
-    qa, qb, sa, sb, h: tl.constexpr, tid, xl, xh, acc0, acc1, tab64, ksm, PTX: tl.constexpr, LDS: tl.constexpr
+    qa, qb, sa, sb, h: tl.constexpr, tid, xl, xh, acc0, acc1, tab64, ksm, PTX: tl.constexpr,
+    LDS: tl.constexpr, SIGN_MATH: tl.constexpr = 0,
 ):  # fmt: skip
     """acc0 / acc1 ([NT] int64) + (2 ls + 1) (254 I1 + I2) of sub-block h of the int64 words qa, sa (grid
     bytes, sub-block words of row gid; qb, sb: row gid + 8; a word holds two sub-blocks) for the lane's pair
@@ -427,8 +428,8 @@ def _mma_sub(
     sel = 0x4440 + tid  # byte tid of the grid word, then zeros: the grid index in one PRMT
     i0 = _prmt((qa >> (32 * h)).to(tl.int32), zero, sel, PTX)
     i1 = _prmt((qb >> (32 * h)).to(tl.int32), zero, sel, PTX)
-    lo0, hi0 = _signed_words(tab64, ksm, i0, (w0 >> (7 * tid)) & 127, False, PTX, True, LDS)
-    lo1, hi1 = _signed_words(tab64, ksm, i1, (w1 >> (7 * tid)) & 127, False, PTX, True, LDS)
+    lo0, hi0 = _signed_words(tab64, ksm, i0, (w0 >> (7 * tid)) & 127, SIGN_MATH, PTX, True, LDS)
+    lo1, hi1 = _signed_words(tab64, ksm, i1, (w1 >> (7 * tid)) & 127, SIGN_MATH, PTX, True, LDS)
     c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, zero, zero, zero, zero, PTX)
     # |254 I1 + I2| <= 32 * 43 * 32385 < 2^31; 2 ls + 1 = the top 5 bits | 1 (bit 27 is overwritten)
     acc0 = _mad_wide(c0 * 254 + c1, ((w0 >> 27) & 31) | 1, acc0, PTX)
@@ -453,7 +454,7 @@ def _ld2(ptr, LD128: tl.constexpr):
 def _gate_up_mma_kernel(
     xw_ptr, dx_ptr, gq, gs, gd, uq, us, ud, tab64, ksm, order_ptr, eid_ptr, offs_ptr, out_ptr, n_slots,
     n_pairs, E, F, K, xplane, clamp, WARPS: tl.constexpr, CLAMP: tl.constexpr, PTX: tl.constexpr,
-    LDS: tl.constexpr, LD128: tl.constexpr = False,
+    LDS: tl.constexpr, LD128: tl.constexpr = False, SIGN_MATH: tl.constexpr = 0,
 ):  # fmt: skip
     """_gate_up_grouped_kernel's result on the int8 tensor cores: up to 4 pairs of one expert (sorted
     positions p ..), 16 rows a warp, two planes (xw [2, B, K/8] int64, xplane words apart; dx [B, K/256]);
@@ -491,11 +492,13 @@ def _gate_up_mma_kernel(
                     xw = tl.load(xo + kt * 32 + (4 * jj + 2 * j2 + h) * 4)
                     xl, xh = xw.to(tl.int32), (xw >> 32).to(tl.int32)
                     ga, gb = _mma_sub(
-                        gqa[j2], gqb[j2], gsa[j2], gsb[j2], h, tid, xl, xh, ga, gb, tab64, ksm, PTX, LDS
-                    )
+                        gqa[j2], gqb[j2], gsa[j2], gsb[j2], h, tid, xl, xh, ga, gb, tab64, ksm, PTX, LDS,
+                        SIGN_MATH,
+                    )  # fmt: skip
                     ua, ub = _mma_sub(
-                        uqa[j2], uqb[j2], usa[j2], usb[j2], h, tid, xl, xh, ua, ub, tab64, ksm, PTX, LDS
-                    )
+                        uqa[j2], uqb[j2], usa[j2], usb[j2], h, tid, xl, xh, ua, ub, tab64, ksm, PTX, LDS,
+                        SIGN_MATH,
+                    )  # fmt: skip
         dx = tl.load(dxo + kt)
         g0 += (tl.load(gd + r0 + kt).to(tl.float32) * dx) * ga.to(tl.float32)
         g1 += (tl.load(gd + r1 + kt).to(tl.float32) * dx) * gb.to(tl.float32)
@@ -802,9 +805,17 @@ class GroupedConfig:
     # instead of 35): correct (GPU test), but with the mma gate/up whole B = 16 / 32 steps x0.992 / x1.054
     # against that gate/up alone's x1.032 / x1.080: slower than the pair kernel still, off
     mma_dn: bool = False
+    # gate/up, prmt: the sign nibbles computed by one byte permute (moe._sign_sel, ~8 ALU ops a group) instead
+    # of looked up in the shared table: half the lookups, which bound the L1/TEX unit (session 27); untimed
+    sign_prmt: bool = False
     # mma: the weight words two at a time (16-byte loads). Session 27 (H100, per layer): B = 32 419.5 vs 561.4
     # us with 8-byte loads and 501.3 for the dp4a kernel; whole steps x1.080 (see _gate_up_mma_kernel)
     mma_ld128: bool = False
+
+    @property
+    def sign_mode(self) -> int:
+        """The kernels' SIGN_MATH: 0 the sign nibbles looked up, 1 computed by ALU ops, 2 by a permute."""
+        return 2 if self.sign_prmt else int(self.sign_math)
 
     def __post_init__(self) -> None:
         for name in ("pairs", "pairs_dn"):
@@ -826,6 +837,10 @@ class GroupedConfig:
             )
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
+        if self.sign_prmt and not (self.prmt and not self.grid16 and not self.sign_math and not self.smem):
+            raise ValueError(
+                "GroupedConfig: sign_prmt needs the nibble tables (prmt; no grid16, sign_math, smem)"
+            )
         if self.mma_dn and self.terms != 2:
             raise ValueError("GroupedConfig: mma_dn needs two planes (terms 2)")
         if self.mma and not (self.terms == 2 and self.prmt and not self.grid16 and not self.smem):
@@ -1042,7 +1057,7 @@ def moe_gate_up_grouped(
         *iq2_tables(x.device, cfg.grid16, cfg.prmt),
         runs.order, runs.eid, runs.offsets, out, k, B * k, E, F, K, B * K // 8, float(clamp),
         BN=cfg.bn_gu, PT=cfg.pairs, CLAMP=clamp > 0, TERMS=cfg.terms, DP4A=_dp4a(x, cfg),
-        SIGN_MATH=cfg.sign_math, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, SMEM=cfg.smem,
+        SIGN_MATH=cfg.sign_mode, CHAIN=cfg.chain, POS_REG=cfg.pos_reg, SMEM=cfg.smem,
         LDS=cfg.lds_rep if cfg.lds else 0, PREFETCH=cfg.prefetch, num_warps=cfg.warps, launch_pdl=PDL,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and x.is_cuda else {}),  # the interpreter takes no cap
     )  # fmt: skip
@@ -1060,7 +1075,7 @@ def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, 
         u["qs"].view(torch.int64), u["sg"].view(torch.int64), u["d"], *iq2_tables(xq.device, False, True),
         runs.order, runs.eid, runs.offsets, out, k, B * k, runs.n_experts, F, K, B * K // 8, float(clamp),
         WARPS=cfg.warps, CLAMP=clamp > 0, PTX=ptx, LDS=cfg.lds_rep if cfg.lds else 0,
-        LD128=cfg.mma_ld128 and ptx,
+        LD128=cfg.mma_ld128 and ptx, SIGN_MATH=cfg.sign_mode,
         num_warps=cfg.warps, launch_pdl=PDL, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and ptx else {}),
     )  # fmt: skip
 

@@ -184,6 +184,9 @@ def _variants() -> dict[str, dict]:
         "grouped mma ld128": grouped(mma=True, mma_ld128=True),  # session 27: per layer x1.195 at B = 32
         "grouped mma ld128 x32": grouped(mma=True, mma_ld128=True, lds_rep=32),
         "grouped mma both ld128": grouped(mma=True, mma_ld128=True, mma_dn=True),  # + session 27's mma down
+        "grouped mma ld128 x64": grouped(mma=True, mma_ld128=True, lds_rep=64),  # both tables in 32 copies
+        "grouped mma ld128 sprmt": grouped(mma=True, mma_ld128=True, sign_prmt=True),  # sign nibbles computed
+        "grouped sprmt": grouped(sign_prmt=True),
         "grouped r64": grouped(maxnreg=64),
         "grouped math r64": grouped(sign_math=True, maxnreg=64),
         "grouped lds x32 r64": grouped(lds_rep=32, maxnreg=64),

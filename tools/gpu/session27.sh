@@ -11,8 +11,9 @@
 #   part c: Nsight Compute on the B = 32 grouped kernels (ncu_probe.py --grouped): stall reasons, dp4a vs mma.
 #   part e: part d without the per-layer bench (a near-spent budget; its check was cut at the budget).
 #   part f (next): the grouped GPU tests, the batched-vs-alone check with the mma ld128 gate/up on, the
-#           per-layer bench of the untimed builds (both tables in 32 copies at 4 / 8 warps, 32 grid copies,
-#           8 warps, the rebuilt mma down), then 3 rounds of steps.
+#           per-layer bench of the untimed builds against mma ld128 (32 grid copies at 4 / 8 warps, 8 warps,
+#           both tables in 32 copies at 4 / 8 warps, the sign nibbles by one permute for the mma and the
+#           dp4a kernel, the rebuilt mma down), then 3 rounds of steps.
 # Usage: bash tools/gpu/session27.sh a|b|c|d|e|f   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
@@ -63,7 +64,7 @@ if [ "$1" = f ]; then  # next: the check with the mma ld128 gate/up on, the unti
     -k "flash or variants"
   TAIL=8 run check 200 env DS4_MOE_GROUPED_MMA=1 DS4_MOE_GROUPED_MMA_LD128=1 python3 tools/gpu/batch_check.py \
     --skip-time --check-batches 1,3,16
-  TAIL=20 run bench1 90 python3 tools/gpu/bench_moe_grouped.py --pick=-6,-5,-4,-3,-2,-1 "$OUT/b1"
+  TAIL=20 run bench1 90 python3 tools/gpu/bench_moe_grouped.py --pick=-8,-7,-6,-5,-4,-3,-2,-1 "$OUT/b1"
   TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
     --variants "${VARIANTS:-grouped mma ld128}" --batches 16,32 --ctx 8192 --steps 16 --rounds 3
 fi
