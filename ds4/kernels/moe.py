@@ -345,12 +345,18 @@ def _negate_bytes(w, m):
 
 
 @triton.jit
+def _parity7(s):
+    """The parity of sign indices s (int32 0..127), bit 7 of KSIGNS[s]: 0x6996 holds the parities of 0..15,
+    s ^ s >> 4 folds bits 4-6 onto 0-2."""
+    return (tl.full(s.shape, 0x6996, tl.int32) >> ((s ^ (s >> 4)) & 15)) & 1
+
+
+@triton.jit
 def _iq2_sign_bits(s):
     """Sign index s [..] int32 (7 stored bits) -> (bl, bh): int32 words with byte j = bit j of KSIGNS[s] (0 or
-    1) for elements 0-3 / 4-7, computed instead of gathered: bit 7 is the parity of s (0x6996 holds the
-    parities of 0..15, s ^ s >> 4 folds bits 4-6 onto 0-2), and n * 0x204081 = n + n << 7 + n << 14 + n << 21
-    puts bit j of a nibble n at bit 8 j without carries."""
-    par = (tl.full(s.shape, 0x6996, tl.int32) >> ((s ^ (s >> 4)) & 15)) & 1
+    1) for elements 0-3 / 4-7, computed instead of gathered: bit 7 is the parity of s (_parity7), and
+    n * 0x204081 = n + n << 7 + n << 14 + n << 21 puts bit j of a nibble n at bit 8 j without carries."""
+    par = _parity7(s)
     bl = ((s & 15) * 0x204081) & 0x01010101
     bh = (((s >> 4) | (par << 3)) * 0x204081) & 0x01010101
     return bl, bh
@@ -502,7 +508,7 @@ def _sign_sel(si, PTX: tl.constexpr):
     f (element 2k's sign at bit 2, element 2k + 1's at bit 6): byte k of the result holds nibbles 2k, 2k + 1.
     ~8 ALU ops a group instead of a shared-table lookup (the lookups bound the grouped gate/up's L1/TEX
     unit: session 27)."""
-    par = (tl.full(si.shape, 0x6996, tl.int32) >> ((si ^ (si >> 4)) & 15)) & 1
+    par = _parity7(si)
     x = (si | (si << 4)) & 0x0F0F  # fields 0, 1 at bits 0-3, fields 2, 3 at bits 8-11
     x = ((x | (x << 2)) & 0x3333) | (par << 13)  # field k at bits 4k, 4k + 1; bit 7 of KSIGNS = parity
     return _prmt(tl.full(si.shape, 0x44400400, tl.int32), si * 0, x, PTX)
@@ -585,7 +591,7 @@ def _lds_fill_rep(nib, snib, REP: tl.constexpr):
             dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
     else:
-        tl.static_assert(REP == 64, "lds_rep: 8, 16, 32 or 64 (both tables in 32 copies) copies")
+        tl.static_assert(REP == 64, "lds_rep: 8, 16 or 32 copies, or 64 (both tables in 32 copies)")
         tl.inline_asm_elementwise(
             ".shared .align 16 .b32 ds4_iq2_tabs[12288];\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
             dtype=tl.int32, is_pure=False, pack=1,
@@ -722,7 +728,7 @@ def _prmt_words(
         lo = w | _sign_sel(si, PTX)
         hi = lo >> 16
     elif SIGN_MATH:
-        par = (tl.full(si.shape, 0x6996, tl.int32) >> ((si ^ (si >> 4)) & 15)) & 1
+        par = _parity7(si)
         lo = w | _sign_nibbles(si & 15)
         hi = (w >> 16) | _sign_nibbles(((si >> 4) & 7) | (par << 3))
     else:

@@ -797,7 +797,7 @@ class GroupedConfig:
     prefetch_dn: bool = False
     # gate/up on the int8 tensor cores (_gate_up_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a
     # program; two planes, the nibble tables with lds / lds_rep as set, sign nibbles gathered). Session 26:
-    # slower (see the kernel's comment), off
+    # slower; session 27: with mma_ld128 faster (see the kernel's comment), off until the batched check
     mma: bool = False
     # down on the int8 tensor cores (_down_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a program;
     # two planes), instead of the pair kernel (pair_down) or the grouped dp4a one. Session 26's form: slower
@@ -907,7 +907,7 @@ CONFIG = GroupedConfig(
     lds_rep=int(os.environ.get("DS4_MOE_GROUPED_LDS_REP", "16")) if _LDS else 1,
     prefetch=os.environ.get("DS4_MOE_GROUPED_PREFETCH", "0") == "1",
     prefetch_dn=os.environ.get("DS4_MOE_GROUPED_PREFETCH_DN", "0") == "1",
-    mma=_PRMT and os.environ.get("DS4_MOE_GROUPED_MMA", "0") == "1",  # session 26: slower, off
+    mma=_PRMT and os.environ.get("DS4_MOE_GROUPED_MMA", "0") == "1",  # off: see GroupedConfig.mma
     mma_dn=os.environ.get("DS4_MOE_GROUPED_MMA_DN", "0") == "1",
     mma_ld128=os.environ.get("DS4_MOE_GROUPED_MMA_LD128", "0") == "1",
 )

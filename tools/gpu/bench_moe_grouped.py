@@ -142,14 +142,13 @@ DN_VARIANTS = [
     replace(moe_grouped.CONFIG, mma_dn=True),
     replace(moe_grouped.CONFIG, mma_dn=True, warps=8),
 ]
-if "--latest" in sys.argv:  # the engine's configs and this session's variants (the time budget)
-    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *GU_VARIANTS[-5:]], [DN_VARIANTS[0], *DN_VARIANTS[-2:]]
-    BATCHES = (32, 16, 8)  # the batch of issue 8's bar first
-for arg in sys.argv:  # --pick=I,J,..: the engine's configs and these gate/up variants (indices, -1 the last)
-    if arg.startswith("--pick="):
-        picked = [GU_VARIANTS[int(i)] for i in arg[len("--pick=") :].split(",")]
-        GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *picked], [DN_VARIANTS[0], *DN_VARIANTS[-2:]]
-        BATCHES = (32, 16, 8)
+# --latest: the last five gate/up variants; --pick=I,J,..: those at these indices (-1 the last). Either way
+# the engine's configs first, the last two down variants, and the batch of issue 8's bar first (time budget)
+_PICK = next((a[len("--pick=") :] for a in sys.argv if a.startswith("--pick=")), None)
+if "--latest" in sys.argv or _PICK:
+    _chosen = GU_VARIANTS[-5:] if _PICK is None else [GU_VARIANTS[int(i)] for i in _PICK.split(",")]
+    GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *_chosen], [DN_VARIANTS[0], *DN_VARIANTS[-2:]]
+    BATCHES = (32, 16, 8)
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")
