@@ -134,7 +134,6 @@ def test_grouped_kernels_match_int8_twin(cfg):
         {"prmt": True, "lds": True, "prefetch": True},
         {"prmt": True, "lds": True, "lds_rep": 16},
         {"prmt": True, "lds": True, "lds_rep": 32},
-        {"prmt": True, "lds": True, "lds_rep": 64},
         {"prmt": True, "lds": True, "lds_rep": 16, "sign_prmt": True},
         {"prmt": True, "sign_prmt": True},
         {"prmt": True, "lds": True, "lds_rep": 16, "maxnreg": 64},
@@ -230,6 +229,8 @@ def test_mma_config_needs_two_planes_and_nibbles():
     for bad in ({"terms": 1, "prmt": True}, {"prmt": False}, {"prmt": True, "grid16": True}):
         with pytest.raises(ValueError, match="mma needs"):
             moe_grouped.GroupedConfig(mma=True, **bad)
+    with pytest.raises(ValueError, match="lds_rep 64 needs mma"):  # 48 KB static: the dp4a launch fails
+        moe_grouped.GroupedConfig(prmt=True, lds=True, lds_rep=64)
     with pytest.raises(ValueError, match="mma_dn needs"):
         moe_grouped.GroupedConfig(mma_dn=True, terms=1)
 
@@ -315,8 +316,10 @@ def test_flash_widths_match_pair_kernels_and_capture():
     mid_pairs = moe.moe_gate_up(x, wg, wu, ids, 10.0, gu_cfg)
     mid = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0)
     assert rel_err(mid, mid_pairs) < F32_TOL
+    dp4a = replace(moe_grouped.CONFIG, mma=False, mma_ld128=False, lds_rep=16)  # the default to session 27
+    assert rel_err(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, dp4a), mid_pairs) < F32_TOL
     mma_builds = ((4, 0, False, 16, 0), (2, 0, True, 16, 0), (4, 96, True, 16, 0), (8, 0, True, 64, 0))
-    mma_builds += ((4, 0, True, 16, 1),)
+    mma_builds += ((4, 0, True, 16, 1), (4, 0, True, 64, 0))
     for warps, maxnreg, ld128, rep, sprmt in mma_builds:  # the tensor-core gate/up
         cfg = replace(moe_grouped.CONFIG, mma=True, warps=warps, maxnreg=maxnreg, mma_ld128=ld128)
         cfg = replace(cfg, lds_rep=rep, sign_prmt=bool(sprmt))

@@ -835,6 +835,8 @@ class GroupedConfig:
             raise ValueError(
                 f"GroupedConfig.lds_rep must be 1, 8, 16, 32 or 64 (> 1 with lds), got {self.lds_rep}"
             )
+        if self.lds_rep == 64 and not self.mma:  # the dp4a kernel's own shared memory on top of 48 KB
+            raise ValueError("GroupedConfig: lds_rep 64 needs mma (48 KB static shared: a dp4a launch fails)")
         if self.grid16 and self.prmt and self.pos_reg:
             raise ValueError("GroupedConfig: pos_reg needs the nibble table (prmt without grid16)")
         if self.sign_prmt and not (self.prmt and not self.grid16 and not self.sign_math and not self.smem):
@@ -891,6 +893,7 @@ class GroupedConfig:
 # (116 registers): 568.9 us.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 _LDS = _PRMT and os.environ.get("DS4_MOE_GROUPED_LDS", "1") == "1"
+_MMA = _PRMT and os.environ.get("DS4_MOE_GROUPED_MMA", "1") == "1"
 CONFIG = GroupedConfig(
     bn_gu=int(os.environ.get("DS4_MOE_GROUPED_BN_GU", "16")),
     pairs=int(os.environ.get("DS4_MOE_GROUPED_PAIRS", "4")),
@@ -904,12 +907,12 @@ CONFIG = GroupedConfig(
     pos_reg=os.environ.get("DS4_MOE_GROUPED_POS_REG", "0") == "1",
     smem=int(os.environ.get("DS4_MOE_GROUPED_SMEM", "0")),
     lds=_LDS,
-    lds_rep=int(os.environ.get("DS4_MOE_GROUPED_LDS_REP", "16")) if _LDS else 1,
+    lds_rep=int(os.environ.get("DS4_MOE_GROUPED_LDS_REP", "64" if _MMA else "16")) if _LDS else 1,
     prefetch=os.environ.get("DS4_MOE_GROUPED_PREFETCH", "0") == "1",
     prefetch_dn=os.environ.get("DS4_MOE_GROUPED_PREFETCH_DN", "0") == "1",
-    mma=_PRMT and os.environ.get("DS4_MOE_GROUPED_MMA", "0") == "1",  # off: see GroupedConfig.mma
+    mma=_MMA,
     mma_dn=os.environ.get("DS4_MOE_GROUPED_MMA_DN", "0") == "1",
-    mma_ld128=os.environ.get("DS4_MOE_GROUPED_MMA_LD128", "0") == "1",
+    mma_ld128=os.environ.get("DS4_MOE_GROUPED_MMA_LD128", "1") == "1",
 )
 
 

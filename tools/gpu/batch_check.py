@@ -141,8 +141,11 @@ def _variants() -> dict[str, dict]:
     from ds4.kernels import attend, fused, matvec, moe, moe_grouped
     from ds4.model.cuda import fused as cfused
 
-    def grouped(**fields) -> dict:  # the batched routed experts at moe_grouped.CONFIG with these fields
-        return {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, **fields)}
+    # the dp4a gate/up as the engine ran it in sessions 25-27 (the variants timed then are fields on it)
+    dp4a = replace(moe_grouped.CONFIG, mma=False, mma_ld128=False, lds=True, lds_rep=16)
+
+    def grouped(**fields) -> dict:  # the batched routed experts at that config with these fields
+        return {(moe_grouped, "CONFIG"): replace(dp4a, **fields)}
 
     return {
         "default": {},
@@ -163,6 +166,7 @@ def _variants() -> dict[str, dict]:
         "runs sort": {(moe_grouped, "RUNS_KERNEL_MAX"): 0},
         "hmv fixup": {(matvec, "HMV_LARGE"): replace(matvec.HMV_LARGE, fixup=True)},
         "mv1 int8": {(matvec, "Q8_MV1"): replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)},
+        "grouped dp4a": grouped(),  # the default before session 28
         "grouped down": grouped(pair_down=False),
         "grouped sign math": grouped(sign_math=True),
         "grouped prmt16": grouped(grid16=True, lds=False, lds_rep=1),

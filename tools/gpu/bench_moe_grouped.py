@@ -47,8 +47,11 @@ CHECK_B = (32, 2)  # rows of the check against the pair kernels, against the twi
 CLAMP = 10.0
 CHAIN_TOL = 1e-4
 PAIR_GU, PAIR_DN = moe.GATE_UP, moe.DOWN  # the engine's pair kernels as configured now (int8 by default)
+# the dp4a gate/up as the engine ran it in sessions 25-27: the base of the variants timed then
+DP4A = replace(moe_grouped.CONFIG, mma=False, mma_ld128=False, lds=True, lds_rep=16)
 GU_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
+    DP4A,  # the engine's before session 28
     GroupedConfig(),
     GroupedConfig(sign_math=False),
     GroupedConfig(bn_gu=8),
@@ -83,50 +86,50 @@ GU_VARIANTS = [
     # session 25 (H100: session 24's variants all slower at B = 32, so not issue-bound but short of bytes in
     # flight): super-block kt + 1's bytes loaded before kt is decoded, alone, with the shared tables, and at
     # two pairs a program (more programs, each with two blocks in flight)
-    replace(moe_grouped.CONFIG, prefetch=True),
-    replace(moe_grouped.CONFIG, prefetch=True, lds=True),
-    replace(moe_grouped.CONFIG, prefetch=True, pairs=2),
+    replace(DP4A, prefetch=True),
+    replace(DP4A, prefetch=True, lds=True),
+    replace(DP4A, prefetch=True, pairs=2),
     # the shared tables in 8 / 16 copies, lane l reading copy l % copies: ~2 wavefronts a warp's lookup
     # instead of ~3.5 (the gathers were ~87 % of the kernel's L1 requests, session 14)
-    replace(moe_grouped.CONFIG, lds=True, lds_rep=16),  # on since session 25
-    replace(moe_grouped.CONFIG, lds=True, lds_rep=8),
-    replace(moe_grouped.CONFIG, lds=True, lds_rep=16, pairs=2),
-    replace(moe_grouped.CONFIG, lds=False, lds_rep=1),  # the default before session 25: L1 gathers
-    replace(moe_grouped.CONFIG, lds=True, lds_rep=32),  # the grid lookups without conflicts (40 KB)
+    replace(DP4A, lds=True, lds_rep=16),  # on since session 25
+    replace(DP4A, lds=True, lds_rep=8),
+    replace(DP4A, lds=True, lds_rep=16, pairs=2),
+    replace(DP4A, lds=False, lds_rep=1),  # the default before session 25: L1 gathers
+    replace(DP4A, lds=True, lds_rep=32),  # the grid lookups without conflicts (40 KB)
     # ptxas capped at 64 registers (sm_90: no spills): 8 programs an SM at 16 copies instead of 6, and 32
     # copies at the 5 that their 41 KB allow
-    replace(moe_grouped.CONFIG, maxnreg=64),
-    replace(moe_grouped.CONFIG, lds_rep=32, maxnreg=64),
+    replace(DP4A, maxnreg=64),
+    replace(DP4A, lds_rep=32, maxnreg=64),
     # one lookup a group instead of two: the sign nibbles computed (~16 ALU ops), the grid's from the copies
-    replace(moe_grouped.CONFIG, sign_math=True, maxnreg=64),
+    replace(DP4A, sign_math=True, maxnreg=64),
     # session 26: gate/up on the int8 tensor cores (one mma.sync m16n8k32 a sub-block of 16 rows x 4 pairs x 2
     # planes; sm_90 k loop 627-703 instructions a thread for 256 weights at any pair count up to 4, vs the
     # dp4a kernel's 209 / 265 for 64 at 1 / 2 pairs): 4 warps (80 registers), capped at 96 (no stack), 2
     # warps (148 registers), 8 warps, and the tables through L1
-    replace(moe_grouped.CONFIG, mma=True),
-    replace(moe_grouped.CONFIG, mma=True, warps=8),
-    replace(moe_grouped.CONFIG, mma=True, lds=False, lds_rep=1),
+    replace(DP4A, mma=True),
+    replace(DP4A, mma=True, warps=8),
+    replace(DP4A, mma=True, lds=False, lds_rep=1),
     # ... all slower than the dp4a kernel (H100, B = 32: 548-608 vs 501 us). Its loads are in the fragment
     # layout: a lane reads 8 bytes of a row (its quad the same 8), 25 % of each sector; 16-byte loads
     # (mma_ld128) test whether the L1 sectors bound it
-    replace(moe_grouped.CONFIG, mma=True, maxnreg=96),
-    replace(moe_grouped.CONFIG, mma=True, maxnreg=96, mma_ld128=True),
-    replace(moe_grouped.CONFIG, mma=True, warps=2),
-    replace(moe_grouped.CONFIG, mma=True, warps=2, mma_ld128=True),
-    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True),
+    replace(DP4A, mma=True, maxnreg=96),
+    replace(DP4A, mma=True, maxnreg=96, mma_ld128=True),
+    replace(DP4A, mma=True, warps=2),
+    replace(DP4A, mma=True, warps=2, mma_ld128=True),
+    replace(DP4A, mma=True, mma_ld128=True),
     # session 27 (H100, B = 32: ld128 419.5 vs 501.3 us for the dp4a kernel, 561.4 with 8-byte loads; Nsight
     # Compute: both kernels at 92-94 % of the L1/TEX throughput, ~half the dp4a kernel's shared wavefronts
     # excess): the grid nibbles in 32 copies (one wavefront a lookup instead of two; 40 KB), 8 warps
-    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=32),
-    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=32, warps=8),
-    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, warps=8),
+    replace(DP4A, mma=True, mma_ld128=True, lds_rep=32),
+    replace(DP4A, mma=True, mma_ld128=True, lds_rep=32, warps=8),
+    replace(DP4A, mma=True, mma_ld128=True, warps=8),
     # ... and both tables in 32 copies (lds_rep 64, 48 KB: no lookup conflicts at all), 4 / 8 warps
-    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=64),
-    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, lds_rep=64, warps=8),
+    replace(DP4A, mma=True, mma_ld128=True, lds_rep=64),
+    replace(DP4A, mma=True, mma_ld128=True, lds_rep=64, warps=8),
     # ... or the sign nibbles computed by one byte permute (sign_prmt: half the lookups gone, ~8 ALU ops a
     # group), for the mma gate/up and the dp4a one
-    replace(moe_grouped.CONFIG, mma=True, mma_ld128=True, sign_prmt=True),
-    replace(moe_grouped.CONFIG, sign_prmt=True),
+    replace(DP4A, mma=True, mma_ld128=True, sign_prmt=True),
+    replace(DP4A, sign_prmt=True),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
