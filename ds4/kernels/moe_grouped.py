@@ -28,10 +28,11 @@ session 14 the down projection runs moe.py's pair kernel by default (GroupedConf
 registers it outran the grouped one's 153 once both read coalesced rows); the grouped one stays as the
 switch.
 
-GroupedConfig.mma / mma_dn (sessions 26-27, off): both projections on the int8 tensor cores, one mma.sync
-per sub-block of 16 rows x 4 pairs x 2 planes (see "Gate/up on the int8 tensor cores" below); correct. All
+GroupedConfig.mma / mma_dn (sessions 26-28): both projections on the int8 tensor cores, one mma.sync per
+sub-block of 16 rows x 4 pairs x 2 planes (see "Gate/up on the int8 tensor cores" below); correct. All
 these kernels are bound by the L1/TEX unit (session 27's counters), so their loads decide: the gate/up with
-16-byte loads (mma_ld128) beats the dp4a kernel per layer at B >= 16 on an H100.
+16-byte loads (mma_ld128) and conflict-free tables (lds_rep 64) beats the dp4a kernel per layer at every
+B timed (8-32, H100) and is the default since session 28; the down stays on the pair kernel.
 
 Legend: B rows, k experts per row, P = B k pairs, K model width (4096), F expert width (2048), E experts,
 D down output rows (= K), PT pairs per program, BN output rows per program, nb super-blocks per row,
@@ -353,8 +354,9 @@ def _gate_up_grouped_kernel(
 # half their shared wavefronts); with mma_ld128 (16-byte loads: half the weight-load instructions) this
 # kernel is the faster one: per layer B = 8 / 16 / 32 153.1 / 267.0 / 419.5 us vs 152.6 / 281.9 / 501.3
 # (x1.195 at B = 32); whole 30-layer steps (batch_check.py, 8k) B = 16 / 32 x1.032 / x1.080 (30.68 vs
-# 33.13 ms). Off until the batched-vs-alone check has run with it on (session27.sh f; cut by the device
-# budget in session 27).
+# 33.13 ms). Session 28: the batched-vs-alone check passed with it on (B = 1 / 3 / 16, as the dp4a kernel's
+# did), and both nibble tables in 32 copies (lds_rep 64) took B = 8 / 16 / 32 to 135.6 / 235.7 / 373.0 us
+# (16 copies 151.7 / 262.9 / 410.7; the dp4a kernel 150.4 / 278.0 / 497.2): the default since (CONFIG).
 
 
 @triton.jit
@@ -797,7 +799,7 @@ class GroupedConfig:
     prefetch_dn: bool = False
     # gate/up on the int8 tensor cores (_gate_up_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a
     # program; two planes, the nibble tables with lds / lds_rep as set, sign nibbles gathered). Session 26:
-    # slower; session 27: with mma_ld128 faster (see the kernel's comment), off until the batched check
+    # slower; session 27: with mma_ld128 faster; session 28: on in CONFIG (see the kernel's comment)
     mma: bool = False
     # down on the int8 tensor cores (_down_mma_kernel: 16 rows a warp, `warps` warps, up to 4 pairs a program;
     # two planes), instead of the pair kernel (pair_down) or the grouped dp4a one. Session 26's form: slower
@@ -809,7 +811,8 @@ class GroupedConfig:
     # of looked up in the shared table: half the lookups, which bound the L1/TEX unit (session 27); untimed
     sign_prmt: bool = False
     # mma: the weight words two at a time (16-byte loads). Session 27 (H100, per layer): B = 32 419.5 vs 561.4
-    # us with 8-byte loads and 501.3 for the dp4a kernel; whole steps x1.080 (see _gate_up_mma_kernel)
+    # us with 8-byte loads and 501.3 for the dp4a kernel; whole steps x1.080 (see _gate_up_mma_kernel); on
+    # in CONFIG since session 28
     mma_ld128: bool = False
 
     @property
@@ -891,6 +894,10 @@ class GroupedConfig:
 # x1.011): on (env DS4_MOE_GROUPED_LDS=0: the L1 gathers; DS4_MOE_GROUPED_LDS_REP=1: one shared copy). 8
 # copies (4-way conflicts remain): B = 32 551.6 us, steps x0.981 / x0.976; 32 copies of the grid nibbles
 # (116 registers): 568.9 us.
+# Session 28: the mma gate/up with 16-byte loads and both tables in 32 copies (mma, mma_ld128, lds_rep 64;
+# 48 KB static shared, which only the mma kernel can launch with) on, after session 27's check passed with
+# it (see _gate_up_mma_kernel). Env DS4_MOE_GROUPED_MMA=0: the dp4a kernel at 16 copies;
+# DS4_MOE_GROUPED_MMA_LD128=0: 8-byte loads; DS4_MOE_GROUPED_LDS_REP: the copies.
 _PRMT = os.environ.get("DS4_MOE_GROUPED_PRMT", "1") == "1"
 _LDS = _PRMT and os.environ.get("DS4_MOE_GROUPED_LDS", "1") == "1"
 _MMA = _PRMT and os.environ.get("DS4_MOE_GROUPED_MMA", "1") == "1"
