@@ -3,7 +3,7 @@
 # 27's check passed with it on; per layer B = 32 373.0 us vs the dp4a kernel's 497.2, H100).
 #   part a: the grouped GPU tests, the batched-vs-alone check at the new defaults (B = 1 / 3 / 16), whole
 #           30-layer steps at B = 16 / 32 against the old default (grouped dp4a) and session 27's form
-#           (grouped mma ld128: 16 copies), 3 rounds.
+#           (grouped mma ld128: 16 copies), 3 rounds; where the B = 32 step's time goes now (graph_timeline).
 #   part b (H200, the whole q2 model): the bars at the defaults (ds4-bench sweep 2k / 64k) and B = 1 / 32.
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -11,8 +11,9 @@ if [ "$1" = a ]; then
   TAIL=3 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
     -k "flash or variants or config"
   TAIL=8 run check 150 python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,16
-  TAIL=10 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+  TAIL=10 run steps 150 python3 tools/gpu/batch_check.py --skip-check --layers 30 \
     --variants "${VARIANTS:-grouped dp4a,grouped mma ld128}" --batches 16,32 --ctx 8192 --steps 16 --rounds 3
+  TAIL=40 run timeline "$(left)" python3 tools/gpu/graph_timeline.py --batch 32 --layers 30 --ctx 8192 --top 30
 fi
 if [ "$1" = b ]; then
   TAIL=6 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
