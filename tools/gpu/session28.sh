@@ -4,7 +4,8 @@
 #   part a: the grouped GPU tests, the batched-vs-alone check at the new defaults (B = 1 / 3 / 16), whole
 #           30-layer steps at B = 16 / 32 against the old default (grouped dp4a) and session 27's form
 #           (grouped mma ld128: 16 copies), 3 rounds; where the B = 32 step's time goes now (graph_timeline).
-#   part b (H200, the whole q2 model): the bars at the defaults (ds4-bench sweep 2k / 64k) and B = 1 / 32.
+#   part b (H200, the whole q2 model): B = 1 / 32 steps and the bars at the defaults (ds4-bench sweep 2k /
+#           64k), then the grouped experts from 8 rows (B = 8 / 12 steps; the check at B = 8).
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
@@ -16,7 +17,11 @@ if [ "$1" = a ]; then
   TAIL=40 run timeline "$(left)" python3 tools/gpu/graph_timeline.py --batch 32 --layers 30 --ctx 8192 --top 30
 fi
 if [ "$1" = b ]; then
+  TAIL=10 run steps 120 python3 tools/gpu/batch_check.py --skip-check --batches 1,32 --ctx 8192 --steps 16
   TAIL=6 run sweep 200 python3 -m ds4.bench --synthetic flash-q2 --ctx-start 2048 --ctx-max 65536 \
     --step-mul 32 -n 64
-  TAIL=10 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --batches 1,32 --ctx 8192 --steps 16
+  TAIL=8 run from8 120 python3 tools/gpu/batch_check.py --skip-check --variants "grouped from 8" --batches 8,12 \
+    --ctx 8192 --steps 16 --rounds 2
+  TAIL=8 run check8 "$(left)" env DS4_MOE_GROUPED_MIN_ROWS=8 python3 tools/gpu/batch_check.py --skip-time \
+    --check-batches 8
 fi
