@@ -4,6 +4,7 @@
 On the H200:  PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py [out_dir]        (< 90 s)
               ... --latest: gate/up only the engine's config and the last five variants
               ... --pick=I,J,..: gate/up the engine's config and the variants at these indices
+              ... --batches=1,2,4: these batch sizes (B rows) instead
 Anywhere:     PYTHONPATH=. python3 tools/gpu/bench_moe_grouped.py --compile-only   (sm_90 builds: registers
               and k-loop instructions of every gate/up variant at 1, 2 and its own pairs per program)
 
@@ -130,6 +131,14 @@ GU_VARIANTS = [
     # group), for the mma gate/up and the dp4a one
     replace(DP4A, mma=True, mma_ld128=True, sign_prmt=True),
     replace(DP4A, sign_prmt=True),
+    # session 28 (the mma gate/up the default for B >= 16): at B = 1-8 (--batches=1,2,4,8) against the pair
+    # kernel, the B = 1 decode's: fewer rows a program (1 / 2 warps: 16 / 32 rows, as many programs as the
+    # pair kernel's bn 16 at 1 warp), with fewer table copies (the fill: 48 KB over 32 threads is 384 stores
+    # a thread) or the tables through L1
+    replace(moe_grouped.CONFIG, warps=1, lds_rep=16),
+    replace(moe_grouped.CONFIG, warps=1, lds=False, lds_rep=1),
+    replace(moe_grouped.CONFIG, warps=2, lds_rep=16),
+    replace(moe_grouped.CONFIG, warps=2),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -152,6 +161,9 @@ if "--latest" in sys.argv or _PICK:
     _chosen = GU_VARIANTS[-5:] if _PICK is None else [GU_VARIANTS[int(i)] for i in _PICK.split(",")]
     GU_VARIANTS, DN_VARIANTS = [GU_VARIANTS[0], *_chosen], [DN_VARIANTS[0], *DN_VARIANTS[-2:]]
     BATCHES = (32, 16, 8)
+_B = next((a[len("--batches=") :] for a in sys.argv if a.startswith("--batches=")), None)
+if _B:  # --batches=1,2,4: these rows instead
+    BATCHES = tuple(int(b) for b in _B.split(","))
 PAIR_GU_LABEL = f"pair {'int8' if PAIR_GU.int8 else 'f32'} bn{PAIR_GU.bn}"
 PAIR_DN_LABEL = f"pair {'int8' if PAIR_DN.int8 else 'f32'} bn{PAIR_DN.bn}"
 DEV = torch.device("cuda")

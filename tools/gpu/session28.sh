@@ -5,7 +5,9 @@
 #           30-layer steps at B = 16 / 32 against the old default (grouped dp4a) and session 27's form
 #           (grouped mma ld128: 16 copies), 3 rounds; where the B = 32 step's time goes now (graph_timeline).
 #   part b (H200, the whole q2 model): B = 1 / 32 steps and the bars at the defaults (ds4-bench sweep 2k /
-#           64k), then the grouped experts from 8 rows (B = 8 / 12 steps; the check at B = 8).
+#           64k), then the grouped experts from 8 rows (B = 8 / 12 steps; the check at B = 8), then c.
+#   part c: the mma gate/up at B = 1 / 2 / 4 / 8 per layer against the pair kernel (1 / 2 warps, fewer table
+#           copies, the tables through L1).
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
@@ -22,6 +24,11 @@ if [ "$1" = b ]; then
     --step-mul 32 -n 64
   TAIL=8 run from8 120 python3 tools/gpu/batch_check.py --skip-check --variants "grouped from 8" --batches 8,12 \
     --ctx 8192 --steps 16 --rounds 2
-  TAIL=8 run check8 "$(left)" env DS4_MOE_GROUPED_MIN_ROWS=8 python3 tools/gpu/batch_check.py --skip-time \
+  TAIL=8 run check8 100 env DS4_MOE_GROUPED_MIN_ROWS=8 python3 tools/gpu/batch_check.py --skip-time \
     --check-batches 8
+  BUDGET=$(left) bash "$0" c
+fi
+if [ "$1" = c ]; then  # the mma gate/up at B = 1-8 against the pair kernel (the B = 1 decode's), per layer
+  TAIL=40 run small "$(left)" python3 tools/gpu/bench_moe_grouped.py --pick=-4,-3,-2,-1 --batches=1,2,4,8 \
+    "$OUT/small"
 fi
