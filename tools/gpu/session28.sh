@@ -8,6 +8,7 @@
 #           64k), then the grouped experts from 8 rows (B = 8 / 12 steps; the check at B = 8), then c.
 #   part c: the mma gate/up at B = 1 / 2 / 4 / 8 per layer against the pair kernel (1 / 2 warps, fewer table
 #           copies, the tables through L1).
+#   part d: Nsight Compute on q8_rows at B = 32 (q_b, o_b): stall reasons, shared wavefronts, SASS hot spots.
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
 if [ "$1" = a ]; then
@@ -31,4 +32,15 @@ fi
 if [ "$1" = c ]; then  # the mma gate/up at B = 1-8 against the pair kernel (the B = 1 decode's), per layer
   TAIL=40 run small "$(left)" python3 tools/gpu/bench_moe_grouped.py --pick=-4,-3,-2,-1 --batches=1,2,4,8 \
     "$OUT/small"
+fi
+if [ "$1" = d ]; then  # Nsight Compute on q8_rows at B = 32 (q_b, o_b): 15 % of a B = 32 step at ~0.6 TB/s
+  NCU=$(which ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  TAIL=4 run ncu 150 env DS4_PDL=0 "$NCU" --clock-control none --profile-from-start off --kernel-name \
+    regex:q8_rows --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SourceCounters -f -o /tmp/rows python3 tools/gpu/ncu_probe.py
+  "$NCU" --import /tmp/rows.ncu-rep --page details > "$OUT/rows_details.txt" 2>&1
+  grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Eligible|Stall|Warp Cycles Per|Hit Rate|Excessive|Shared" \
+    "$OUT/rows_details.txt" | head -80
+  "$NCU" --import /tmp/rows.ncu-rep --page source --csv --print-source sass > /tmp/sass_rows.csv 2>&1
+  python3 tools/gpu/ncu_top.py /tmp/sass_rows.csv 25 | tee "$OUT/top_rows.txt"
 fi
