@@ -31,9 +31,11 @@ def test_bench_moe_grouped_labels_distinct():
     import bench_moe_grouped as bmg  # noqa: PLC0415
 
     labels = [bmg.gu_label(c) for c in bmg.GU_VARIANTS]
-    # the engine's config first; the session-25 variants are told apart by their labels
-    assert bmg.GU_VARIANTS[0].lds_rep == 16 and " x16" in labels[0]
-    assert len(set(labels[-4:])) == 4
+    # the engine's config first (the mma gate/up, both tables in 32 copies), then the dp4a one as it was to
+    # session 27 (16 copies); the latest variants are told apart by their labels
+    assert bmg.GU_VARIANTS[0].mma and " x64" in labels[0] and "mma" in labels[0]
+    assert not bmg.GU_VARIANTS[1].mma and " x16" in labels[1] and labels[1] != labels[0]
+    assert len(set(labels[-8:])) == 8
 
 
 def test_ncu_top_ranks_stall_lines(tmp_path):
