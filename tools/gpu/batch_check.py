@@ -208,6 +208,13 @@ def _variants() -> dict[str, dict]:
         "q8 rows from 9": {(matvec, "Q8_ROWS_FROM"): 9},  # before session 16
         "grouped from 8": {(batch, "MOE_GROUPED_MIN_ROWS"): 8},  # the int8 grouped experts from 8 rows
         "grouped mma from 8": {**grouped(mma=True), (batch, "MOE_GROUPED_MIN_ROWS"): 8},
+        # session 28: the mma gate/up (the default) from 2 rows (per layer B = 2 / 4 / 8 46.2 / 80.9 / 139.2
+        # us vs the pair kernel's 53.7 / 89.4 / 164.5, H100), the pair down at the default tile or at 64
+        "grouped from 2": {(batch, "MOE_GROUPED_MIN_ROWS"): 2},
+        "grouped from 2 dn64": {
+            (batch, "MOE_GROUPED_MIN_ROWS"): 2,
+            (moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, bn_pair_dn=64),
+        },
         "pair down bn64": grouped(bn_pair_dn=64),
         "grouped pt2": grouped(pairs=2),
         "grouped bn32 w8": grouped(bn_gu=32, warps=8),

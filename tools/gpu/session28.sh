@@ -8,6 +8,7 @@
 #           64k), then the grouped experts from 8 rows (B = 8 / 12 steps; the check at B = 8), then c.
 #   part c: the mma gate/up at B = 1 / 2 / 4 / 8 per layer against the pair kernel (1 / 2 warps, fewer table
 #           copies, the tables through L1).
+#   part e: the grouped experts from 2 rows: 30-layer steps at B = 2 / 4 / 8, the check at B = 1 / 3 / 8.
 #   part d: Nsight Compute on q8_rows at B = 32 (q_b, o_b): stall reasons, shared wavefronts, SASS hot spots.
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -43,4 +44,10 @@ if [ "$1" = d ]; then  # Nsight Compute on q8_rows at B = 32 (q_b, o_b): 15 % of
     "$OUT/rows_details.txt" | head -80
   "$NCU" --import /tmp/rows.ncu-rep --page source --csv --print-source sass > /tmp/sass_rows.csv 2>&1
   python3 tools/gpu/ncu_top.py /tmp/sass_rows.csv 25 | tee "$OUT/top_rows.txt"
+fi
+if [ "$1" = e ]; then  # the grouped experts from 2 rows (part c: the mma gate/up beats the pair kernel at B >= 2)
+  TAIL=8 run steps 150 python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+    --variants "grouped from 2,grouped from 2 dn64" --batches 2,4,8 --ctx 8192 --steps 16 --rounds 2
+  TAIL=12 run check "$(left)" env DS4_MOE_GROUPED_MIN_ROWS=2 python3 tools/gpu/batch_check.py --skip-time \
+    --check-batches 1,3,8
 fi
