@@ -388,3 +388,21 @@ def test_batch_routed_takes_grouped_path_and_expert_parallel(monkeypatch, pair_d
         batch._routed(x[:7], ids[:7], weights[:7], m, 10.0), torch.zeros(7, 2, 16, device=DEVICE)
     )  # pair path
     assert calls == [1]
+
+
+@pytest.mark.parametrize("rows", [3, moe_grouped.SMALL_ROWS])
+def test_pair_down_tile_below_small_rows(monkeypatch, rows):
+    """The pair down kernel takes GroupedConfig.bn_pair_dn_small rows a program below SMALL_ROWS rows of x
+    and bn_pair_dn from there (0: bn_pair_dn everywhere); the tile changes no result (the twin's sums)."""
+    tiles = []
+    real = moe_grouped.moe_down_slots
+    monkeypatch.setattr(
+        moe_grouped, "moe_down_slots", lambda m, w, wd, i, c, o: tiles.append(c.bn) or real(m, w, wd, i, c, o)
+    )
+    ids_l = [[j % E, (j + 2) % E] for j in range(rows)]
+    _, _, wd, ids, _, mid, weights = _case(24, 256, 16, ids_l, 95)
+    want = ref.moe_down_q8k(mid, weights, wd, ids, 2)
+    for small, expect in ((32, 32 if rows < moe_grouped.SMALL_ROWS else 16), (0, 16)):
+        cfg = moe_grouped.GroupedConfig(pair_down=True, bn_pair_dn=16, bn_pair_dn_small=small)
+        assert rel_err(moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg), want) < F32_TOL
+        assert tiles.pop() == expect

@@ -14,7 +14,7 @@ tensors: no per-pair reductions or layout conversions. sm_90 k-loop instructions
 down 161 for one pair + ~130 per further pair (the pair kernel's structure: 271 + ~198); gate/up bn 16
 228 + ~75, no barrier in the loop (moe.py's pair kernel: 257 per pair, 4 layout conversions per block).
 H200 (tools/gpu/bench_moe_grouped.py, per layer, vs the pair kernels): B = 32 1,330 vs 1,605 us, B = 16
-779 vs 816, B = 8 440 vs 421 (batch.MOE_GROUPED_MIN_ROWS = 16 from that).
+779 vs 816, B = 8 440 vs 421 (batch.MOE_GROUPED_MIN_ROWS = 16 from that; 2 since session 28).
 
 Static grid for CUDA graphs: programs over (output tile, sorted pair position p); p leads a chunk when
 (p - start of its expert's run) % PT == 0 and handles pairs p .. min(p + PT, end of run) - 1; other programs
@@ -761,6 +761,9 @@ def _q2k_scale(acc, ii, mm, d, dmin, dx_ptr, pidx, kt, nb):
 # Host side
 
 
+SMALL_ROWS = 16  # below this many rows of x the pair down kernel takes GroupedConfig.bn_pair_dn_small
+
+
 @dataclass(frozen=True)
 class GroupedConfig:
     """Launch shape of the grouped kernels: output rows per program (gate/up, down), pairs per program
@@ -781,6 +784,9 @@ class GroupedConfig:
     pair_down: bool = False  # down by the pair kernel (moe.moe_down_slots at moe.DOWN's tile), not grouped
     sorted_down: bool = False  # pair_down: the pairs taken in expert order (ExpertRuns.order: L2 reuse)
     bn_pair_dn: int = 64  # pair_down: output rows per program of the pair kernel (moe.DOWN's is for B = 1)
+    # pair_down: its rows per program below SMALL_ROWS rows of x (0: bn_pair_dn). Session 28 (H100, 30-layer
+    # steps with the grouped experts from 2 rows): 64 there x1.010 / x1.014 / x1.012 at B = 2 / 4 / 8 over 128
+    bn_pair_dn_small: int = 0
     smem: int = 0  # gate/up, prmt: the tables looked up by tl.gather (shared memory, _prmt_smem): 1 two
     # lookups per group, 2 one joined lookup in a [512] table (half the table stores and barriers)
     lds: bool = False  # gate/up, prmt: the nibble tables from a static shared copy (moe._lds_fill, PTX)
@@ -908,6 +914,7 @@ CONFIG = GroupedConfig(
     pair_down=os.environ.get("DS4_MOE_GROUPED_PAIR_DOWN", "1") == "1",
     sorted_down=os.environ.get("DS4_MOE_GROUPED_SORTED_DOWN", "1") == "1",
     bn_pair_dn=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN", "128")),
+    bn_pair_dn_small=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN_SMALL", "64")),
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=_PRMT,
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",
@@ -1168,9 +1175,8 @@ def moe_down_grouped(
         return part.view(B, k, D) if per_slot else part.view(B, k, D).sum(1)
     if cfg.pair_down:
         mid = prep_x(mid.reshape(B * k, F), F, "moe_down_grouped").view(B, k, F)
-        pair = replace(
-            DOWN, bn=cfg.bn_pair_dn, int8=True, terms=cfg.terms, dp4a=cfg.dp4a, prefetch=cfg.prefetch_dn
-        )
+        bn = cfg.bn_pair_dn_small if B < SMALL_ROWS and cfg.bn_pair_dn_small else cfg.bn_pair_dn
+        pair = replace(DOWN, bn=bn, int8=True, terms=cfg.terms, dp4a=cfg.dp4a, prefetch=cfg.prefetch_dn)
         order = (runs or expert_runs(ids, E)).order if cfg.sorted_down else None
         part = moe_down_slots(mid, weights, wd, ids, pair, order)
         return part if per_slot else part.sum(1)
