@@ -785,7 +785,8 @@ class GroupedConfig:
     sorted_down: bool = False  # pair_down: the pairs taken in expert order (ExpertRuns.order: L2 reuse)
     bn_pair_dn: int = 64  # pair_down: output rows per program of the pair kernel (moe.DOWN's is for B = 1)
     # pair_down: its rows per program below SMALL_ROWS rows of x (0: bn_pair_dn). Session 28 (H100, 30-layer
-    # steps with the grouped experts from 2 rows): 64 there x1.010 / x1.014 / x1.012 at B = 2 / 4 / 8 over 128
+    # steps with the grouped experts from 2 rows): 64 there x1.010 / x1.014 / x1.012 at B = 2 / 4 / 8 over
+    # 128; off in CONFIG until the batched-vs-alone check has run with it (the device time ran out)
     bn_pair_dn_small: int = 0
     smem: int = 0  # gate/up, prmt: the tables looked up by tl.gather (shared memory, _prmt_smem): 1 two
     # lookups per group, 2 one joined lookup in a [512] table (half the table stores and barriers)
@@ -914,7 +915,7 @@ CONFIG = GroupedConfig(
     pair_down=os.environ.get("DS4_MOE_GROUPED_PAIR_DOWN", "1") == "1",
     sorted_down=os.environ.get("DS4_MOE_GROUPED_SORTED_DOWN", "1") == "1",
     bn_pair_dn=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN", "128")),
-    bn_pair_dn_small=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN_SMALL", "64")),
+    bn_pair_dn_small=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN_SMALL", "0")),  # off: see the field
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=_PRMT,
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",

@@ -77,9 +77,9 @@ GROUPED_ROWS = int(os.environ.get("DS4_BATCH_GROUPED_ROWS", "0"))
 # path's down now the pair kernel, moe_grouped.GroupedConfig.pair_down): B = 8 221.1 vs 217.9, B = 16 421.0
 # vs 395.0, B = 32 818.4 vs 715.0: 16 stays. Session 28 (H100; the mma gate/up the grouped default): per layer
 # B = 2 / 4 / 8 46.2 / 80.9 / 139.2 us vs the pair kernel's 53.7 / 89.4 / 164.5 (B = 1 33.8 vs 28.1: the pair
-# kernel stays there); 30-layer steps at 8k (batch_check.py "grouped from 2 dn64", the down's tile at 64
-# below 16 rows) x1.034 / x1.014 / x1.032; the batched-vs-alone check passed from 2 (B = 3 4.39e-4, B = 8
-# 1.83e-2 of the logit std at one near tie): 2.
+# kernel stays there); 30-layer steps at 8k (batch_check.py "grouped from 2") x1.025 / x1.000 / x1.019 (with
+# the down's tile at 64 below 16 rows, "grouped from 2 dn64", x1.034 / x1.014 / x1.032: not yet checked, off);
+# the batched-vs-alone check passed from 2 (B = 3 4.39e-4, B = 8 1.83e-2 of the logit std at one near tie): 2.
 MOE_GROUPED_MIN_ROWS = int(os.environ.get("DS4_MOE_GROUPED_MIN_ROWS", "2"))
 
 
