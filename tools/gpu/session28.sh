@@ -9,7 +9,8 @@
 #   part c: the mma gate/up at B = 1 / 2 / 4 / 8 per layer against the pair kernel (1 / 2 warps, fewer table
 #           copies, the tables through L1).
 #   part e: the grouped experts from 2 rows: 30-layer steps at B = 2 / 4 / 8, the check at B = 1 / 3 / 8.
-#   part f: the new defaults (grouped from 2 rows): GPU tests, the check at B = 1 / 3 / 8 / 16.
+#   part f (next): GPU tests, the check at B = 1 / 3 / 8 / 16 with the down's 64-row tile below 16 rows
+#           (GroupedConfig.bn_pair_dn_small; built and timed, off until this passes).
 #   part d: Nsight Compute on q8_rows at B = 32 (q_b, o_b): stall reasons, shared wavefronts, SASS hot spots.
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -52,8 +53,9 @@ if [ "$1" = e ]; then  # the grouped experts from 2 rows (part c: the mma gate/u
   TAIL=12 run check "$(left)" env DS4_MOE_GROUPED_MIN_ROWS=2 python3 tools/gpu/batch_check.py --skip-time \
     --check-batches 1,3,8
 fi
-if [ "$1" = f ]; then  # the new defaults (grouped from 2 rows, the down's small tile): GPU tests and the check
+if [ "$1" = f ]; then  # next: GPU tests, the check with the down's 64-row tile below 16 rows (off until it passes)
   TAIL=3 run tests 70 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
     -k "flash or small_rows or routed"
-  TAIL=14 run check "$(left)" python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
+  TAIL=14 run check "$(left)" env DS4_MOE_GROUPED_BN_PAIR_DN_SMALL=64 python3 tools/gpu/batch_check.py \
+    --skip-time --check-batches 1,3,8,16
 fi
