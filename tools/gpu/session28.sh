@@ -11,6 +11,8 @@
 #   part e: the grouped experts from 2 rows: 30-layer steps at B = 2 / 4 / 8, the check at B = 1 / 3 / 8.
 #   part f (next): GPU tests, the check at B = 1 / 3 / 8 / 16 with the down's 64-row tile below 16 rows
 #           (GroupedConfig.bn_pair_dn_small; built and timed, off until this passes).
+#   part g (next): q8_rows at BN 128 (2 warps: 242 registers, no spills; sm_90 k loop 557 instructions for 64
+#           weights a thread vs 349 for 32 at BN 64) on 30-layer B = 24 / 32 steps.
 #   part d: Nsight Compute on q8_rows at B = 32 (q_b, o_b): stall reasons, shared wavefronts, SASS hot spots.
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -58,4 +60,8 @@ if [ "$1" = f ]; then  # next: GPU tests, the check with the down's 64-row tile 
     -k "flash or small_rows or routed"
   TAIL=14 run check "$(left)" env DS4_MOE_GROUPED_BN_PAIR_DN_SMALL=64 python3 tools/gpu/batch_check.py \
     --skip-time --check-batches 1,3,8,16
+fi
+if [ "$1" = g ]; then  # next: q8_rows at 128 rows a program for B = 17-32 (x re-read half as often; d's counters)
+  TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+    --variants "rows:bn=128,rows:bn=128+stages=4" --batches 24,32 --ctx 8192 --steps 16 --rounds 2
 fi
