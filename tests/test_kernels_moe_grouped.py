@@ -406,3 +406,38 @@ def test_pair_down_tile_below_small_rows(monkeypatch, rows):
         cfg = moe_grouped.GroupedConfig(pair_down=True, bn_pair_dn=16, bn_pair_dn_small=small)
         assert rel_err(moe_grouped.moe_down_grouped(mid, weights, wd, ids, cfg), want) < F32_TOL
         assert tiles.pop() == expect
+
+
+@pytest.mark.parametrize("warps", [1, 2])
+def test_mma_quad_layout_changes_no_bit(warps):
+    """GroupedConfig.quad_pack (the stacks reordered so that each lane of a quad loads its own group)
+    gives the plain mma gate/up's result bit for bit (the same integer sums, scaled in the same order);
+    without the packed words it refuses."""
+    wg, wu, _, ids, x, _, _ = _case(24, 512, 40, IDS, 97)  # two super-blocks a row
+    cfg = moe_grouped.GroupedConfig(mma=True, prmt=True, warps=warps, mma_ld128=True)
+    want = moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg)
+    qp = replace(cfg, quad_pack=True)
+    with pytest.raises(ValueError, match="quad_pack needs the stacks packed"):
+        moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, qp)
+    moe_grouped.quad_pack_stack(wg)
+    moe_grouped.quad_pack_stack(wu)
+    assert torch.equal(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, qp), want)
+    with pytest.raises(ValueError, match="quad_pack needs mma"):
+        moe_grouped.GroupedConfig(mma=True, prmt=True, quad_pack=True)
+
+
+def test_quad_pack_words():
+    """quad_pack against the layout read off the sub-block bytes one field at a time (grid byte, 7-bit sign
+    index, 4-bit scale of group t of sub-block s), on random rows."""
+    w = _stack(GGMLType.IQ2_XXS, (2, 8, 512), 98)
+    qp = moe_grouped.quad_pack(w, rows=5).view(16, 2, 4, 2).cpu()  # chunks of 5 rows: a partial last one
+    qs, sg = w.data["qs"].cpu().view(16, 2, 8, 4), w.data["sg"].cpu().view(16, 2, 8).to(torch.int64)
+    for r, kb, t, s in ((0, 0, 0, 0), (3, 1, 2, 5), (15, 1, 3, 7), (9, 0, 1, 3), (6, 1, 0, 4)):
+        g, v = int(qp[r, kb, t, 0]), int(qp[r, kb, t, 1]) & (2**64 - 1)
+        assert (g >> (8 * s)) & 255 == int(qs[r, kb, s, t])
+        half = (v >> (32 * (s // 4))) & (2**32 - 1)
+        assert (half >> (7 * (s % 4))) & 127 == (int(sg[r, kb, s]) >> (7 * t)) & 127
+        own = (v >> (28 + 32 * (s % 2))) & 15  # lane s // 2 holds sub-block s's scale
+        own_lane = (int(qp[r, kb, s // 2, 1]) >> (28 + 32 * (s % 2))) & 15
+        assert own_lane == (int(sg[r, kb, s]) >> 28) & 15
+        assert own == (int(sg[r, kb, 2 * t + s % 2]) >> 28) & 15

@@ -453,14 +453,71 @@ def _ld2(ptr, LD128: tl.constexpr):
 
 
 @triton.jit
+def _quad_or(v, PTX: tl.constexpr):
+    """The OR of v over each quad of lanes (lanes 4 g .. 4 g + 3), in every lane of it: two butterfly
+    shuffles. PTX False (the interpreter): the same as a sum over [NT / 4, 4] (callers' bits are disjoint)."""
+    if PTX:
+        for m in tl.static_range(2):
+            v = v | tl.inline_asm_elementwise(
+                f"shfl.sync.bfly.b32 $0, $1, {1 << m}, 0x1f, -1;", "=r,r", [v], dtype=tl.int32, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+    else:
+        NT: tl.constexpr = v.shape[0]
+        q = tl.sum(tl.reshape(v, (NT // 4, 4)), axis=1)
+        v = tl.reshape(tl.broadcast_to(q[:, None], (NT // 4, 4)), (NT,))
+    return v
+
+
+@triton.jit
+def _qp_rows(
+    wq, w0, w1, tid, x, acc0, acc1, tab64, ksm, PTX: tl.constexpr, LDS: tl.constexpr, LD128: tl.constexpr,
+    SIGN_MATH: tl.constexpr,
+):  # fmt: skip
+    """acc0 / acc1 + one super-block of rows gid / gid + 8 (first quad-layout words w0 / w1 of wq) for the
+    lane's pair tid, from the quad layout (quad_pack): the lane's 16 bytes hold its group tid of every
+    sub-block (grid word g: byte s; sign word v: sub-block s's 7-bit index at 7 (s % 4) of half s // 4, the
+    scales of sub-blocks 2 tid / 2 tid + 1 in the halves' top nibbles), the other scales come from the quad
+    (_quad_or). x: the lane's x words of the super-block (sub-block s at x + 4 s)."""
+    ga, va = _ld2(wq + (w0 + tid) * 2, LD128)
+    gb, vb = _ld2(wq + (w1 + tid) * 2, LD128)
+    sa = _qp_scales(va, tid, PTX)  # nibble s: sub-block s's scale
+    sb = _qp_scales(vb, tid, PTX)
+    zero = tl.zeros_like(sa)
+    for s in tl.static_range(8):
+        xw = tl.load(x + 4 * s)
+        xl, xh = xw.to(tl.int32), (xw >> 32).to(tl.int32)
+        i0 = ((ga >> (32 * (s // 4))).to(tl.int32) >> (8 * (s % 4))) & 255
+        i1 = ((gb >> (32 * (s // 4))).to(tl.int32) >> (8 * (s % 4))) & 255
+        s0 = ((va >> (32 * (s // 4))).to(tl.int32) >> (7 * (s % 4))) & 127
+        s1 = ((vb >> (32 * (s // 4))).to(tl.int32) >> (7 * (s % 4))) & 127
+        lo0, hi0 = _signed_words(tab64, ksm, i0, s0, SIGN_MATH, PTX, True, LDS)
+        lo1, hi1 = _signed_words(tab64, ksm, i1, s1, SIGN_MATH, PTX, True, LDS)
+        c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, zero, zero, zero, zero, PTX)
+        acc0 = _mad_wide(c0 * 254 + c1, ((sa >> (4 * s)) & 15) * 2 + 1, acc0, PTX)
+        acc1 = _mad_wide(c2 * 254 + c3, ((sb >> (4 * s)) & 15) * 2 + 1, acc1, PTX)
+    return acc0, acc1
+
+
+@triton.jit
+def _qp_scales(v, tid, PTX: tl.constexpr):
+    """A row's 8 sub-block scales as the nibbles of one int32 (nibble s: sub-block s), gathered from the
+    quad: lane t holds sub-blocks 2 t / 2 t + 1 in the top nibbles of its sign word's halves."""
+    lo = (v.to(tl.int32) >> 28) & 15
+    hi = ((v >> 32).to(tl.int32) >> 28) & 15
+    return _quad_or((lo | (hi << 4)) << (8 * tid), PTX)
+
+
+@triton.jit
 def _gate_up_mma_kernel(
     xw_ptr, dx_ptr, gq, gs, gd, uq, us, ud, tab64, ksm, order_ptr, eid_ptr, offs_ptr, out_ptr, n_slots,
     n_pairs, E, F, K, xplane, clamp, WARPS: tl.constexpr, CLAMP: tl.constexpr, PTX: tl.constexpr,
-    LDS: tl.constexpr, LD128: tl.constexpr = False, SIGN_MATH: tl.constexpr = 0,
+    LDS: tl.constexpr, LD128: tl.constexpr = False, SIGN_MATH: tl.constexpr = 0, QP: tl.constexpr = False,
 ):  # fmt: skip
     """_gate_up_grouped_kernel's result on the int8 tensor cores: up to 4 pairs of one expert (sorted
     positions p ..), 16 rows a warp, two planes (xw [2, B, K/8] int64, xplane words apart; dx [B, K/256]);
-    gq / uq grid bytes, gs / us sub-block words as int64 words [E F, K/32] -> mid rows out [P, F]."""
+    gq / uq grid bytes, gs / us sub-block words as int64 words [E F, K/32] -> mid rows out [P, F]. QP
+    (GroupedConfig.quad_pack): gq / uq the quad layout's words [E F, K/32] (quad_pack), gs / us unused."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     NT: tl.constexpr = 32 * WARPS
     p = tl.program_id(1)
@@ -472,6 +529,8 @@ def _gate_up_mma_kernel(
     gid, tid, n, r0, r1 = _mma_lanes(F, nb, NT)
     eb = e * F * nb  # the expert's first super-block: uniform base pointers
     gq, gs, uq, us = gq + eb * 4, gs + eb * 4, uq + eb * 4, us + eb * 4
+    if QP:  # the quad layout: 8 words a super-block
+        gq, uq = gq + eb * 4, uq + eb * 4
     gd, ud = gd + eb, ud + eb
     bx = _pair_index(order_ptr, p, gid // 2, n_pairs) // n_slots  # the B column's row of x
     xo = xw_ptr + (gid % 2) * xplane + bx * (K // 8) + tid  # its plane's group-tid word of sub-block 0
@@ -484,7 +543,10 @@ def _gate_up_mma_kernel(
         gb, ua, ub = ga, ga, ga
         w0 = (r0 + kt) * 4
         w1 = (r1 + kt) * 4
-        for jj in tl.static_range(2):  # words 2 jj, 2 jj + 1 (LD128: one 16-byte load for both)
+        if QP:
+            ga, gb = _qp_rows(gq, w0, w1, tid, xo + kt * 32, ga, gb, tab64, ksm, PTX, LDS, LD128, SIGN_MATH)
+            ua, ub = _qp_rows(uq, w0, w1, tid, xo + kt * 32, ua, ub, tab64, ksm, PTX, LDS, LD128, SIGN_MATH)
+        for jj in tl.static_range(0 if QP else 2):  # words 2 jj, 2 jj + 1 (LD128: one 16-byte load for both)
             gqa, gqb = _ld2(gq + w0 + 2 * jj, LD128), _ld2(gq + w1 + 2 * jj, LD128)
             gsa, gsb = _ld2(gs + w0 + 2 * jj, LD128), _ld2(gs + w1 + 2 * jj, LD128)
             uqa, uqb = _ld2(uq + w0 + 2 * jj, LD128), _ld2(uq + w1 + 2 * jj, LD128)
@@ -821,6 +883,11 @@ class GroupedConfig:
     # us with 8-byte loads and 501.3 for the dp4a kernel; whole steps x1.080 (see _gate_up_mma_kernel); on
     # in CONFIG since session 28
     mma_ld128: bool = False
+    # mma: the weights in the quad layout (quad_pack; stacks packed with it first): lane tid of a quad loads
+    # the 16 bytes of its own group (8 grid bytes, 8 sign indices, 2 scales) instead of the quad loading the
+    # row's 64 bytes four times (16 loads a lane and super-block -> 4, and two shuffles a row for the scales).
+    # Needs 16-byte loads. Built in session 28, untimed; an experiment: the stacks keep both layouts
+    quad_pack: bool = False
 
     @property
     def sign_mode(self) -> int:
@@ -853,6 +920,8 @@ class GroupedConfig:
             raise ValueError(
                 "GroupedConfig: sign_prmt needs the nibble tables (prmt; no grid16, sign_math, smem)"
             )
+        if self.quad_pack and not (self.mma and self.mma_ld128):
+            raise ValueError("GroupedConfig: quad_pack needs mma with 16-byte loads (mma_ld128)")
         if self.mma_dn and self.terms != 2:
             raise ValueError("GroupedConfig: mma_dn needs two planes (terms 2)")
         if self.mma and not (self.terms == 2 and self.prmt and not self.grid16 and not self.smem):
@@ -1032,6 +1101,35 @@ def _valid(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ok, ids, 0).to(torch.int32), ok
 
 
+def quad_pack(w: PackedWeight, rows: int = 1 << 16) -> torch.Tensor:
+    """[R, nb * 8] int64: an IQ2_XXS stack in the quad layout of GroupedConfig.quad_pack, per row and
+    super-block 4 pairs of words, pair t = lane t's group t of all 8 sub-blocks: word 0 byte s = its grid
+    byte in sub-block s; word 1 = sub-block s's 7-bit sign index at bit 7 (s % 4) of half s // 4, the scale
+    of sub-block 2 t (low half) / 2 t + 1 (high half) in the top nibble. The same 64 bytes a super-block as
+    qs + sg, reordered: written by hand, no library packs for this kernel's lanes. Chunks of `rows` rows."""
+    qs, sg = w.data["qs"], w.data["sg"]
+    R, nb = qs.shape[0], qs.shape[1] // 32
+    out = torch.empty(R, nb, 4, 2, dtype=torch.int64, device=qs.device)
+    t = torch.arange(4, device=qs.device)
+    sh = 7 * torch.arange(4, device=qs.device)
+    for r0 in range(0, R, rows):
+        q = qs[r0 : r0 + rows].reshape(-1, nb, 8, 4)  # [r, nb, s, t] grid bytes
+        out[r0 : r0 + rows, :, :, 0] = q.transpose(2, 3).contiguous().view(torch.int64)[..., 0]
+        a = sg[r0 : r0 + rows].reshape(-1, nb, 8).to(torch.int64)  # [r, nb, s] sub-block words
+        si = (a[:, :, None, :] >> (7 * t)[:, None]) & 127  # [r, nb, t, s]
+        sc = (a >> 28) & 15  # [r, nb, s]
+        lo = (si[..., :4] << sh).sum(-1) | (sc[:, :, 0::2] << 28)  # [r, nb, t]
+        hi = (si[..., 4:] << sh).sum(-1) | (sc[:, :, 1::2] << 28)
+        out[r0 : r0 + rows, :, :, 1] = lo | (hi << 32)
+    return out.view(R, nb * 8)
+
+
+def quad_pack_stack(w: PackedWeight) -> None:
+    """Adds w.data["qp"] = quad_pack(w) (GroupedConfig.quad_pack reads it; an experiment: the stack then
+    holds both layouts, twice its bytes). Outside any CUDA-graph capture."""
+    w.data["qp"] = quad_pack(w)
+
+
 def moe_gate_up_grouped(
     x: torch.Tensor,
     wg: PackedWeight,
@@ -1088,12 +1186,17 @@ def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, 
     B, k, F = out.shape
     K = xq.shape[2]
     ptx = xq.is_cuda
+    gq, uq = g["qs"].view(torch.int64), u["qs"].view(torch.int64)
+    if cfg.quad_pack:
+        if "qp" not in g or "qp" not in u:
+            raise ValueError("moe_gate_up_grouped: quad_pack needs the stacks packed first (quad_pack_stack)")
+        gq, uq = g["qp"], u["qp"]
     _gate_up_mma_kernel[(triton.cdiv(F, 16 * cfg.warps), B * k)](
-        xq.view(torch.int64), dx, g["qs"].view(torch.int64), g["sg"].view(torch.int64), g["d"],
-        u["qs"].view(torch.int64), u["sg"].view(torch.int64), u["d"], *iq2_tables(xq.device, False, True),
+        xq.view(torch.int64), dx, gq, g["sg"].view(torch.int64), g["d"],
+        uq, u["sg"].view(torch.int64), u["d"], *iq2_tables(xq.device, False, True),
         runs.order, runs.eid, runs.offsets, out, k, B * k, runs.n_experts, F, K, B * K // 8, float(clamp),
         WARPS=cfg.warps, CLAMP=clamp > 0, PTX=ptx, LDS=cfg.lds_rep if cfg.lds else 0,
-        LD128=cfg.mma_ld128 and ptx, SIGN_MATH=cfg.sign_mode,
+        LD128=cfg.mma_ld128 and ptx, SIGN_MATH=cfg.sign_mode, QP=cfg.quad_pack,
         num_warps=cfg.warps, launch_pdl=PDL, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and ptx else {}),
     )  # fmt: skip
 
@@ -1222,6 +1325,8 @@ __all__ = [
     "ExpertRuns",
     "GroupedConfig",
     "expert_runs",
+    "quad_pack",
+    "quad_pack_stack",
     "moe_down_grouped",
     "moe_gate_up_grouped",
     "moe_routed_grouped",
