@@ -139,6 +139,9 @@ GU_VARIANTS = [
     replace(moe_grouped.CONFIG, warps=1, lds=False, lds_rep=1),
     replace(moe_grouped.CONFIG, warps=2, lds_rep=16),
     replace(moe_grouped.CONFIG, warps=2),
+    # the quad layout (quad_pack: the stacks packed a second time for it): each lane loads its own group's
+    # 16 bytes, 4 weight loads a lane and super-block instead of 16
+    replace(moe_grouped.CONFIG, quad_pack=True),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
@@ -203,6 +206,7 @@ def gu_label(c: GroupedConfig) -> str:
             + f" r{c.maxnreg}" * bool(c.maxnreg)
             + " ld128" * c.mma_ld128
             + " sprmt" * c.sign_prmt
+            + " qp" * c.quad_pack
         )
     return f"grouped bn{c.bn_gu} pt{c.pairs} w{c.warps}{extra}" + " pf" * c.prefetch
 
@@ -461,6 +465,7 @@ def _mma_compile(c: GroupedConfig) -> bool:
     consts = {"WARPS": c.warps, "CLAMP": True, "PTX": True, "LDS": c.lds_rep if c.lds else 0}
     consts["LD128"] = c.mma_ld128
     consts["SIGN_MATH"] = c.sign_mode
+    consts["QP"] = c.quad_pack
     try:
         k = _compile(moe_grouped._gate_up_mma_kernel, _MMA_SIG, consts, c.warps, c.maxnreg)
         res, n, _ = _sass_stats(k.asm["cubin"])
@@ -534,6 +539,10 @@ def main() -> None:
     say(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     layers = [(packed(IQ2, (E, F, K)), packed(IQ2, (E, F, K)), packed(Q2K, (E, K, F))) for _ in range(LAYERS)]
     biases = [0.5 * torch.randn(E, device=DEV, generator=GEN) for _ in range(LAYERS)]
+    if any(c.quad_pack for c in GU_VARIANTS):  # the quad layout beside the split one (an experiment)
+        for wg, wu, _ in layers:
+            moe_grouped.quad_pack_stack(wg)
+            moe_grouped.quad_pack_stack(wu)
     say(f"{LAYERS} layers built in {time.time() - t0:.1f} s")
     ok = check(layers[0], biases[0])
     summary = bench(layers, biases, t0) if ok else {}
