@@ -470,33 +470,52 @@ def _quad_or(v, PTX: tl.constexpr):
 
 
 @triton.jit
-def _qp_rows(
-    wq, w0, w1, tid, x, acc0, acc1, tab64, ksm, PTX: tl.constexpr, LDS: tl.constexpr, LD128: tl.constexpr,
-    SIGN_MATH: tl.constexpr,
+def _qp_step(
+    gq, uq, w0, w1, tid, x, ga, gb, ua, ub, tab64, ksm, PTX: tl.constexpr, LDS: tl.constexpr,
+    LD128: tl.constexpr, SIGN_MATH: tl.constexpr,
 ):  # fmt: skip
-    """acc0 / acc1 + one super-block of rows gid / gid + 8 (first quad-layout words w0 / w1 of wq) for the
-    lane's pair tid, from the quad layout (quad_pack): the lane's 16 bytes hold its group tid of every
-    sub-block (grid word g: byte s; sign word v: sub-block s's 7-bit index at 7 (s % 4) of half s // 4, the
-    scales of sub-blocks 2 tid / 2 tid + 1 in the halves' top nibbles), the other scales come from the quad
-    (_quad_or). x: the lane's x words of the super-block (sub-block s at x + 4 s)."""
-    ga, va = _ld2(wq + (w0 + tid) * 2, LD128)
-    gb, vb = _ld2(wq + (w1 + tid) * 2, LD128)
-    sa = _qp_scales(va, tid, PTX)  # nibble s: sub-block s's scale
-    sb = _qp_scales(vb, tid, PTX)
-    zero = tl.zeros_like(sa)
-    for s in tl.static_range(8):
-        xw = tl.load(x + 4 * s)
-        xl, xh = xw.to(tl.int32), (xw >> 32).to(tl.int32)
-        i0 = ((ga >> (32 * (s // 4))).to(tl.int32) >> (8 * (s % 4))) & 255
-        i1 = ((gb >> (32 * (s // 4))).to(tl.int32) >> (8 * (s % 4))) & 255
-        s0 = ((va >> (32 * (s // 4))).to(tl.int32) >> (7 * (s % 4))) & 127
-        s1 = ((vb >> (32 * (s // 4))).to(tl.int32) >> (7 * (s % 4))) & 127
-        lo0, hi0 = _signed_words(tab64, ksm, i0, s0, SIGN_MATH, PTX, True, LDS)
-        lo1, hi1 = _signed_words(tab64, ksm, i1, s1, SIGN_MATH, PTX, True, LDS)
-        c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, zero, zero, zero, zero, PTX)
-        acc0 = _mad_wide(c0 * 254 + c1, ((sa >> (4 * s)) & 15) * 2 + 1, acc0, PTX)
-        acc1 = _mad_wide(c2 * 254 + c3, ((sb >> (4 * s)) & 15) * 2 + 1, acc1, PTX)
-    return acc0, acc1
+    """The gate / up sums ga, gb / ua, ub (rows gid / gid + 8) + one super-block (first quad-layout words
+    w0 / w1 of gq / uq) for the lane's pair tid, from the quad layout (quad_pack): the lane's 16 bytes of
+    a row hold its group tid of every sub-block (grid word: byte s; sign word: sub-block s's 7-bit index at
+    7 (s % 4) of half s // 4, the scales of sub-blocks 2 tid / 2 tid + 1 in the halves' top nibbles), the
+    other scales come from the quad (_qp_scales). x: the lane's 8 x words of the super-block, adjacent
+    (quad_x), each loaded once for both matrices."""
+    gqa, gva = _ld2(gq + (w0 + tid) * 2, LD128)
+    gqb, gvb = _ld2(gq + (w1 + tid) * 2, LD128)
+    uqa, uva = _ld2(uq + (w0 + tid) * 2, LD128)
+    uqb, uvb = _ld2(uq + (w1 + tid) * 2, LD128)
+    gsa, gsb = _qp_scales(gva, tid, PTX), _qp_scales(gvb, tid, PTX)  # nibble s: sub-block s's scale
+    usa, usb = _qp_scales(uva, tid, PTX), _qp_scales(uvb, tid, PTX)
+    for s2 in tl.static_range(4):
+        xpair = _ld2(x + 2 * s2, LD128)  # words of sub-blocks 2 s2, 2 s2 + 1: one 16-byte load
+        for h in tl.static_range(2):  # sub-block s = 2 s2 + h
+            xl, xh = xpair[h].to(tl.int32), (xpair[h] >> 32).to(tl.int32)
+            ga, gb = _qp_sub(
+                gqa, gva, gsa, gqb, gvb, gsb, 2 * s2 + h, xl, xh, ga, gb, tab64, ksm, PTX, LDS, SIGN_MATH
+            )
+            ua, ub = _qp_sub(
+                uqa, uva, usa, uqb, uvb, usb, 2 * s2 + h, xl, xh, ua, ub, tab64, ksm, PTX, LDS, SIGN_MATH
+            )
+    return ga, gb, ua, ub
+
+
+@triton.jit
+def _qp_sub(
+    qa, va, sa, qb, vb, sb, s: tl.constexpr, xl, xh, acc0, acc1, tab64, ksm, PTX: tl.constexpr,
+    LDS: tl.constexpr, SIGN_MATH: tl.constexpr,
+):  # fmt: skip
+    """acc0 / acc1 + (2 ls + 1) (254 I1 + I2) of sub-block s of rows gid / gid + 8 (quad-layout grid words
+    qa / qb, sign words va / vb, scale nibbles sa / sb: _qp_step) for the lane's pair tid: one mma."""
+    i0 = ((qa >> (32 * (s // 4))).to(tl.int32) >> (8 * (s % 4))) & 255
+    i1 = ((qb >> (32 * (s // 4))).to(tl.int32) >> (8 * (s % 4))) & 255
+    s0 = ((va >> (32 * (s // 4))).to(tl.int32) >> (7 * (s % 4))) & 127
+    s1 = ((vb >> (32 * (s // 4))).to(tl.int32) >> (7 * (s % 4))) & 127
+    lo0, hi0 = _signed_words(tab64, ksm, i0, s0, SIGN_MATH, PTX, True, LDS)
+    lo1, hi1 = _signed_words(tab64, ksm, i1, s1, SIGN_MATH, PTX, True, LDS)
+    zero = tl.zeros_like(i0)
+    c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, zero, zero, zero, zero, PTX)
+    acc0 = _mad_wide(c0 * 254 + c1, ((sa >> (4 * s)) & 15) * 2 + 1, acc0, PTX)
+    return acc0, _mad_wide(c2 * 254 + c3, ((sb >> (4 * s)) & 15) * 2 + 1, acc1, PTX)
 
 
 @triton.jit
@@ -533,7 +552,9 @@ def _gate_up_mma_kernel(
         gq, uq = gq + eb * 4, uq + eb * 4
     gd, ud = gd + eb, ud + eb
     bx = _pair_index(order_ptr, p, gid // 2, n_pairs) // n_slots  # the B column's row of x
-    xo = xw_ptr + (gid % 2) * xplane + bx * (K // 8) + tid  # its plane's group-tid word of sub-block 0
+    # its plane's group-tid word of sub-block 0 (QP: x in the quad order, a lane's 8 words of a super-block
+    # adjacent: quad_x)
+    xo = xw_ptr + (gid % 2) * xplane + bx * (K // 8) + (tid * 8 if QP else tid)
     pc = _pair_index(order_ptr, p, tid, n_pairs)  # the lane's C pair
     dxo = dx_ptr + (pc // n_slots) * nb
     g0 = tl.zeros([NT], dtype=tl.float32)
@@ -544,8 +565,9 @@ def _gate_up_mma_kernel(
         w0 = (r0 + kt) * 4
         w1 = (r1 + kt) * 4
         if QP:
-            ga, gb = _qp_rows(gq, w0, w1, tid, xo + kt * 32, ga, gb, tab64, ksm, PTX, LDS, LD128, SIGN_MATH)
-            ua, ub = _qp_rows(uq, w0, w1, tid, xo + kt * 32, ua, ub, tab64, ksm, PTX, LDS, LD128, SIGN_MATH)
+            ga, gb, ua, ub = _qp_step(
+                gq, uq, w0, w1, tid, xo + kt * 32, ga, gb, ua, ub, tab64, ksm, PTX, LDS, LD128, SIGN_MATH
+            )
         for jj in tl.static_range(0 if QP else 2):  # words 2 jj, 2 jj + 1 (LD128: one 16-byte load for both)
             gqa, gqb = _ld2(gq + w0 + 2 * jj, LD128), _ld2(gq + w1 + 2 * jj, LD128)
             gsa, gsb = _ld2(gs + w0 + 2 * jj, LD128), _ld2(gs + w1 + 2 * jj, LD128)
@@ -883,10 +905,12 @@ class GroupedConfig:
     # us with 8-byte loads and 501.3 for the dp4a kernel; whole steps x1.080 (see _gate_up_mma_kernel); on
     # in CONFIG since session 28
     mma_ld128: bool = False
-    # mma: the weights in the quad layout (quad_pack; stacks packed with it first): lane tid of a quad loads
-    # the 16 bytes of its own group (8 grid bytes, 8 sign indices, 2 scales) instead of the quad loading the
-    # row's 64 bytes four times (16 loads a lane and super-block -> 4, and two shuffles a row for the scales).
-    # Needs 16-byte loads. Built in session 28, untimed; an experiment: the stacks keep both layouts
+    # mma: the weights in the quad layout (quad_pack; stacks packed with it first) and x alike (quad_x): lane
+    # tid of a quad loads the 16 bytes of its own group (8 grid bytes, 8 sign indices, 2 scales) instead of
+    # the quad loading the row's 64 bytes four times, and its 8 x words 16 bytes at a time (sm_90 k loop: 24
+    # loads a lane and super-block -> 8, plus 8 shuffles for the scales; 152 -> 133 registers). Needs 16-byte
+    # loads. Built in session 28, untimed (aimed at the L1/TEX unit that bounds the kernel); an experiment:
+    # the stacks keep both layouts
     quad_pack: bool = False
 
     @property
@@ -1124,6 +1148,14 @@ def quad_pack(w: PackedWeight, rows: int = 1 << 16) -> torch.Tensor:
     return out.view(R, nb * 8)
 
 
+def quad_x(xq: torch.Tensor) -> torch.Tensor:
+    """Q8_K planes [2, B, K] int8 with each super-block's 8-byte words in the quad order (GroupedConfig.
+    quad_pack: lane t's words of sub-blocks 0..7 adjacent, word 8 t + s = word 4 s + t of the plain order)."""
+    P, B, K = xq.shape
+    w = xq.view(torch.int64).view(P, B, K // 256, 8, 4)  # [plane, row, super-block, s, t]
+    return w.transpose(3, 4).contiguous().view(torch.int8).view(P, B, K)
+
+
 def quad_pack_stack(w: PackedWeight) -> None:
     """Adds w.data["qp"] = quad_pack(w) (GroupedConfig.quad_pack reads it; an experiment: the stack then
     holds both layouts, twice its bytes). Outside any CUDA-graph capture."""
@@ -1191,6 +1223,7 @@ def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, 
         if "qp" not in g or "qp" not in u:
             raise ValueError("moe_gate_up_grouped: quad_pack needs the stacks packed first (quad_pack_stack)")
         gq, uq = g["qp"], u["qp"]
+        xq = quad_x(xq)
     _gate_up_mma_kernel[(triton.cdiv(F, 16 * cfg.warps), B * k)](
         xq.view(torch.int64), dx, gq, g["sg"].view(torch.int64), g["d"],
         uq, u["sg"].view(torch.int64), u["d"], *iq2_tables(xq.device, False, True),

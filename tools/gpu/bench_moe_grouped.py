@@ -139,9 +139,12 @@ GU_VARIANTS = [
     replace(moe_grouped.CONFIG, warps=1, lds=False, lds_rep=1),
     replace(moe_grouped.CONFIG, warps=2, lds_rep=16),
     replace(moe_grouped.CONFIG, warps=2),
-    # the quad layout (quad_pack: the stacks packed a second time for it): each lane loads its own group's
-    # 16 bytes, 4 weight loads a lane and super-block instead of 16
+    # the quad layout (quad_pack: the stacks packed a second time for it, x reordered alike): each lane
+    # loads its own group's 16 bytes and its x words 16 bytes at a time, 8 loads a lane and super-block
+    # instead of 24 (sm_90: 133 registers, k loop 649 instructions with 8 shuffles); at 128 registers: 4
+    # programs an SM instead of 3
     replace(moe_grouped.CONFIG, quad_pack=True),
+    replace(moe_grouped.CONFIG, quad_pack=True, maxnreg=128),
 ]
 DN_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's

@@ -13,8 +13,9 @@
 #           (GroupedConfig.bn_pair_dn_small; built and timed, off until this passes).
 #   part g (next): q8_rows at BN 128 (2 warps: 242 registers, no spills; sm_90 k loop 557 instructions for 64
 #           weights a thread vs 349 for 32 at BN 64) on 30-layer B = 24 / 32 steps.
-#   part h (next): the quad layout for the mma gate/up (GroupedConfig.quad_pack; sm_90 k loop 16 -> 4 weight
-#           loads, 8 shuffles, 152 -> 118 registers): the GPU bit test and the per-layer bench.
+#   part h (next): the quad layout for the mma gate/up (GroupedConfig.quad_pack; sm_90 k loop 24 -> 8 loads
+#           a lane and super-block, 8 shuffles, 152 -> 133 registers; and capped at 128): the GPU bit test
+#           and the per-layer bench.
 #   part d: Nsight Compute on q8_rows at B = 32 (q_b, o_b): stall reasons, shared wavefronts, SASS hot spots.
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -70,5 +71,5 @@ fi
 if [ "$1" = h ]; then  # next: the quad layout for the mma gate/up (built, untimed): GPU bit test, per layer
   TAIL=3 run tests 80 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
     -k "quad or flash"
-  TAIL=16 run bench "$(left)" python3 tools/gpu/bench_moe_grouped.py --pick=-1 "$OUT/qp"
+  TAIL=16 run bench "$(left)" python3 tools/gpu/bench_moe_grouped.py --pick=-2,-1 "$OUT/qp"
 fi
