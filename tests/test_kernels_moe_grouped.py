@@ -324,6 +324,11 @@ def test_flash_widths_match_pair_kernels_and_capture():
         cfg = replace(moe_grouped.CONFIG, mma=True, warps=warps, maxnreg=maxnreg, mma_ld128=ld128)
         cfg = replace(cfg, lds_rep=rep, sign_prmt=bool(sprmt))
         assert rel_err(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, cfg), mid_pairs) < F32_TOL
+    moe_grouped.quad_pack_stack(wg)  # the quad layout (an experiment: the stacks packed a second time)
+    moe_grouped.quad_pack_stack(wu)
+    for maxnreg in (0, 128):
+        qp = replace(moe_grouped.CONFIG, quad_pack=True, maxnreg=maxnreg)
+        assert torch.equal(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, qp), mid)  # the default's
     want_dn = moe.moe_down(mid_pairs, w, wd, ids, dn_cfg)
     for warps in (4, 2):  # the tensor-core down
         cfg = replace(moe_grouped.CONFIG, mma_dn=True, warps=warps)
