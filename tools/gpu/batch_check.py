@@ -210,6 +210,7 @@ def _variants() -> dict[str, dict]:
         "grouped mma from 8": {**grouped(mma=True), (batch, "MOE_GROUPED_MIN_ROWS"): 8},
         # session 28: the mma gate/up (the default) from 2 rows (per layer B = 2 / 4 / 8 46.2 / 80.9 / 139.2
         # us vs the pair kernel's 53.7 / 89.4 / 164.5, H100), the pair down at the default tile or at 64
+        "grouped qp": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, quad_pack=True)},  # session 28
         "grouped from 2": {(batch, "MOE_GROUPED_MIN_ROWS"): 2},
         "grouped from 2 dn64": {
             (batch, "MOE_GROUPED_MIN_ROWS"): 2,
@@ -239,6 +240,16 @@ def _rows_variant(name: str) -> dict:
     return {(matvec, "Q8_ROWS"): rows_cfg(name.split(":", 1)[1].replace("+", ","))}
 
 
+def _quad_pack_model(model) -> None:
+    """Every layer's routed gate / up stacks also in the quad layout (GroupedConfig.quad_pack, an experiment:
+    ~1 GB more a layer, so ~20 layers on an H100)."""
+    from ds4.kernels import moe_grouped
+
+    for blk in model.layers:
+        for stack in (blk.w.moe.gate_exps, blk.w.moe.up_exps):
+            moe_grouped.quad_pack_stack(stack)
+
+
 def time_variants(
     names: list[str], batches: list[int], ctx: int, steps: int, rounds: int, layers: int
 ) -> None:
@@ -246,6 +257,8 @@ def time_variants(
     variants taking turns for `rounds` rounds; per (variant, B) the median step ms and tok/s."""
     table = _variants() | {n: _rows_variant(n) for n in names if n.startswith("rows:")}
     model = synthetic_model("q2", cfg=first_layers(layers))
+    if any(getattr(v, "quad_pack", False) for n in names for v in table[n].values()):
+        _quad_pack_model(model)
     V = model.cfg.n_vocab
     pool = model.new_states(max(batches), ctx + steps * (rounds + 2) * len(names) + 8)
     lg = model.forward(pool[0], prompt_tokens(ctx, V, 0))

@@ -15,7 +15,7 @@
 #           weights a thread vs 349 for 32 at BN 64) on 30-layer B = 24 / 32 steps.
 #   part h (next): the quad layout for the mma gate/up (GroupedConfig.quad_pack; sm_90 k loop 24 -> 8 loads
 #           a lane and super-block, 8 shuffles, 152 -> 133 registers; and capped at 128): the GPU bit test
-#           and the per-layer bench.
+#           and the per-layer bench, then 20-layer B = 16 / 32 steps (both layouts held: 20 layers fit).
 #   part d: Nsight Compute on q8_rows at B = 32 (q_b, o_b): stall reasons, shared wavefronts, SASS hot spots.
 # Usage: bash tools/gpu/session28.sh a|b   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -71,5 +71,7 @@ fi
 if [ "$1" = h ]; then  # next: the quad layout for the mma gate/up (built, untimed): GPU bit test, per layer
   TAIL=3 run tests 80 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe_grouped.py \
     -k "quad or flash"
-  TAIL=16 run bench "$(left)" python3 tools/gpu/bench_moe_grouped.py --pick=-2,-1 "$OUT/qp"
+  TAIL=16 run bench 100 python3 tools/gpu/bench_moe_grouped.py --pick=-2,-1 "$OUT/qp"
+  TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 20 --variants "grouped qp" \
+    --batches 16,32 --ctx 8192 --steps 16 --rounds 2
 fi
