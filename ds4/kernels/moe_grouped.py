@@ -430,12 +430,25 @@ def _mma_sub(
     sel = 0x4440 + tid  # byte tid of the grid word, then zeros: the grid index in one PRMT
     i0 = _prmt((qa >> (32 * h)).to(tl.int32), zero, sel, PTX)
     i1 = _prmt((qb >> (32 * h)).to(tl.int32), zero, sel, PTX)
-    lo0, hi0 = _signed_words(tab64, ksm, i0, (w0 >> (7 * tid)) & 127, SIGN_MATH, PTX, True, LDS)
-    lo1, hi1 = _signed_words(tab64, ksm, i1, (w1 >> (7 * tid)) & 127, SIGN_MATH, PTX, True, LDS)
+    s0, s1 = (w0 >> (7 * tid)) & 127, (w1 >> (7 * tid)) & 127  # the lane's sign indices
+    d0, d1 = _mma_dots(i0, i1, s0, s1, xl, xh, tab64, ksm, PTX, LDS, SIGN_MATH)
+    # 2 ls + 1 = the top 5 bits | 1 (bit 27 is overwritten)
+    acc0 = _mad_wide(d0, ((w0 >> 27) & 31) | 1, acc0, PTX)
+    return acc0, _mad_wide(d1, ((w1 >> 27) & 31) | 1, acc1, PTX)
+
+
+@triton.jit
+def _mma_dots(
+    i0, i1, s0, s1, xl, xh, tab64, ksm, PTX: tl.constexpr, LDS: tl.constexpr, SIGN_MATH: tl.constexpr
+):  # fmt: skip
+    """(254 I1 + I2 of row gid, of row gid + 8) of one sub-block for the lane's pair tid: the lane's group
+    decoded from grid indices i0 / i1 and sign indices s0 / s1, one mma with the B words xl / xh. Shared by
+    _mma_sub and _qp_sub (the two weight layouts); |254 I1 + I2| <= 32 * 43 * 32385 < 2^31."""
+    lo0, hi0 = _signed_words(tab64, ksm, i0, s0, SIGN_MATH, PTX, True, LDS)
+    lo1, hi1 = _signed_words(tab64, ksm, i1, s1, SIGN_MATH, PTX, True, LDS)
+    zero = tl.zeros_like(i0)
     c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, zero, zero, zero, zero, PTX)
-    # |254 I1 + I2| <= 32 * 43 * 32385 < 2^31; 2 ls + 1 = the top 5 bits | 1 (bit 27 is overwritten)
-    acc0 = _mad_wide(c0 * 254 + c1, ((w0 >> 27) & 31) | 1, acc0, PTX)
-    return acc0, _mad_wide(c2 * 254 + c3, ((w1 >> 27) & 31) | 1, acc1, PTX)
+    return c0 * 254 + c1, c2 * 254 + c3
 
 
 @triton.jit
@@ -450,6 +463,60 @@ def _ld2(ptr, LD128: tl.constexpr):
     else:
         lo, hi = tl.load(ptr), tl.load(ptr + 1)
     return lo, hi
+
+
+@triton.jit
+def _mma_step(
+    gq, gs, uq, us, w0, w1, tid, x, ga, gb, ua, ub, tab64, ksm, PTX: tl.constexpr, LDS: tl.constexpr,
+    LD128: tl.constexpr, SIGN_MATH: tl.constexpr,
+):  # fmt: skip
+    """The gate / up sums ga, gb / ua, ub (rows gid / gid + 8) + one super-block (first words w0 / w1 of
+    the grid bytes gq / uq and sub-block words gs / us) for the lane's pair tid, in the split layout: the
+    quad loads a row's words whole; x: the lane's x word of sub-block 0 (sub-block s at x + 4 s)."""
+    for jj in tl.static_range(2):  # words 2 jj, 2 jj + 1 (LD128: one 16-byte load for both)
+        gqa, gqb = _ld2(gq + w0 + 2 * jj, LD128), _ld2(gq + w1 + 2 * jj, LD128)
+        gsa, gsb = _ld2(gs + w0 + 2 * jj, LD128), _ld2(gs + w1 + 2 * jj, LD128)
+        uqa, uqb = _ld2(uq + w0 + 2 * jj, LD128), _ld2(uq + w1 + 2 * jj, LD128)
+        usa, usb = _ld2(us + w0 + 2 * jj, LD128), _ld2(us + w1 + 2 * jj, LD128)
+        for j2 in tl.static_range(2):  # word 2 jj + j2 of each pair
+            for h in tl.static_range(2):
+                xw = tl.load(x + (4 * jj + 2 * j2 + h) * 4)
+                xl, xh = xw.to(tl.int32), (xw >> 32).to(tl.int32)
+                ga, gb = _mma_sub(
+                    gqa[j2],
+                    gqb[j2],
+                    gsa[j2],
+                    gsb[j2],
+                    h,
+                    tid,
+                    xl,
+                    xh,
+                    ga,
+                    gb,
+                    tab64,
+                    ksm,
+                    PTX,
+                    LDS,
+                    SIGN_MATH,
+                )
+                ua, ub = _mma_sub(
+                    uqa[j2],
+                    uqb[j2],
+                    usa[j2],
+                    usb[j2],
+                    h,
+                    tid,
+                    xl,
+                    xh,
+                    ua,
+                    ub,
+                    tab64,
+                    ksm,
+                    PTX,
+                    LDS,
+                    SIGN_MATH,
+                )
+    return ga, gb, ua, ub
 
 
 @triton.jit
@@ -510,12 +577,9 @@ def _qp_sub(
     i1 = ((qb >> (32 * (s // 4))).to(tl.int32) >> (8 * (s % 4))) & 255
     s0 = ((va >> (32 * (s // 4))).to(tl.int32) >> (7 * (s % 4))) & 127
     s1 = ((vb >> (32 * (s // 4))).to(tl.int32) >> (7 * (s % 4))) & 127
-    lo0, hi0 = _signed_words(tab64, ksm, i0, s0, SIGN_MATH, PTX, True, LDS)
-    lo1, hi1 = _signed_words(tab64, ksm, i1, s1, SIGN_MATH, PTX, True, LDS)
-    zero = tl.zeros_like(i0)
-    c0, c1, c2, c3 = _mma_i8(lo0, lo1, hi0, hi1, xl, xh, zero, zero, zero, zero, PTX)
-    acc0 = _mad_wide(c0 * 254 + c1, ((sa >> (4 * s)) & 15) * 2 + 1, acc0, PTX)
-    return acc0, _mad_wide(c2 * 254 + c3, ((sb >> (4 * s)) & 15) * 2 + 1, acc1, PTX)
+    d0, d1 = _mma_dots(i0, i1, s0, s1, xl, xh, tab64, ksm, PTX, LDS, SIGN_MATH)
+    acc0 = _mad_wide(d0, ((sa >> (4 * s)) & 15) * 2 + 1, acc0, PTX)
+    return acc0, _mad_wide(d1, ((sb >> (4 * s)) & 15) * 2 + 1, acc1, PTX)
 
 
 @triton.jit
@@ -547,9 +611,8 @@ def _gate_up_mma_kernel(
     nb = K // 256
     gid, tid, n, r0, r1 = _mma_lanes(F, nb, NT)
     eb = e * F * nb  # the expert's first super-block: uniform base pointers
-    gq, gs, uq, us = gq + eb * 4, gs + eb * 4, uq + eb * 4, us + eb * 4
-    if QP:  # the quad layout: 8 words a super-block
-        gq, uq = gq + eb * 4, uq + eb * 4
+    QW: tl.constexpr = 8 if QP else 4  # gq / uq words a super-block (the quad layout: 8)
+    gq, gs, uq, us = gq + eb * QW, gs + eb * 4, uq + eb * QW, us + eb * 4
     gd, ud = gd + eb, ud + eb
     bx = _pair_index(order_ptr, p, gid // 2, n_pairs) // n_slots  # the B column's row of x
     # its plane's group-tid word of sub-block 0 (QP: x in the quad order, a lane's 8 words of a super-block
@@ -568,23 +631,11 @@ def _gate_up_mma_kernel(
             ga, gb, ua, ub = _qp_step(
                 gq, uq, w0, w1, tid, xo + kt * 32, ga, gb, ua, ub, tab64, ksm, PTX, LDS, LD128, SIGN_MATH
             )
-        for jj in tl.static_range(0 if QP else 2):  # words 2 jj, 2 jj + 1 (LD128: one 16-byte load for both)
-            gqa, gqb = _ld2(gq + w0 + 2 * jj, LD128), _ld2(gq + w1 + 2 * jj, LD128)
-            gsa, gsb = _ld2(gs + w0 + 2 * jj, LD128), _ld2(gs + w1 + 2 * jj, LD128)
-            uqa, uqb = _ld2(uq + w0 + 2 * jj, LD128), _ld2(uq + w1 + 2 * jj, LD128)
-            usa, usb = _ld2(us + w0 + 2 * jj, LD128), _ld2(us + w1 + 2 * jj, LD128)
-            for j2 in tl.static_range(2):  # word 2 jj + j2 of each pair
-                for h in tl.static_range(2):
-                    xw = tl.load(xo + kt * 32 + (4 * jj + 2 * j2 + h) * 4)
-                    xl, xh = xw.to(tl.int32), (xw >> 32).to(tl.int32)
-                    ga, gb = _mma_sub(
-                        gqa[j2], gqb[j2], gsa[j2], gsb[j2], h, tid, xl, xh, ga, gb, tab64, ksm, PTX, LDS,
-                        SIGN_MATH,
-                    )  # fmt: skip
-                    ua, ub = _mma_sub(
-                        uqa[j2], uqb[j2], usa[j2], usb[j2], h, tid, xl, xh, ua, ub, tab64, ksm, PTX, LDS,
-                        SIGN_MATH,
-                    )  # fmt: skip
+        else:
+            ga, gb, ua, ub = _mma_step(
+                gq, gs, uq, us, w0, w1, tid, xo + kt * 32, ga, gb, ua, ub, tab64, ksm, PTX, LDS, LD128,
+                SIGN_MATH,
+            )  # fmt: skip
         dx = tl.load(dxo + kt)
         g0 += (tl.load(gd + r0 + kt).to(tl.float32) * dx) * ga.to(tl.float32)
         g1 += (tl.load(gd + r1 + kt).to(tl.float32) * dx) * gb.to(tl.float32)

@@ -208,9 +208,9 @@ def _variants() -> dict[str, dict]:
         "q8 rows from 9": {(matvec, "Q8_ROWS_FROM"): 9},  # before session 16
         "grouped from 8": {(batch, "MOE_GROUPED_MIN_ROWS"): 8},  # the int8 grouped experts from 8 rows
         "grouped mma from 8": {**grouped(mma=True), (batch, "MOE_GROUPED_MIN_ROWS"): 8},
+        "grouped qp": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, quad_pack=True)},  # session 28
         # session 28: the mma gate/up (the default) from 2 rows (per layer B = 2 / 4 / 8 46.2 / 80.9 / 139.2
         # us vs the pair kernel's 53.7 / 89.4 / 164.5, H100), the pair down at the default tile or at 64
-        "grouped qp": {(moe_grouped, "CONFIG"): replace(moe_grouped.CONFIG, quad_pack=True)},  # session 28
         "grouped from 2": {(batch, "MOE_GROUPED_MIN_ROWS"): 2},
         "grouped from 2 dn64": {
             (batch, "MOE_GROUPED_MIN_ROWS"): 2,
