@@ -8,6 +8,8 @@ Tolerances (max abs error / max |reference|): f32 paths 1e-5; bf16 tensor-core p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -327,6 +329,32 @@ def test_q8_rows_modes(mode, b, n, k):
     assert 50 * err < rel_err(matvec.qmatvec(x.bfloat16(), w), want)
     with pytest.raises(ValueError, match="mode must be one of"):
         matvec.q8_rows(x, w, n, matvec.Q8RowsConfig(mode="fp8"))
+
+
+@pytest.mark.parametrize("scales", ["f32", "f32t"])
+@pytest.mark.parametrize(
+    ("mode", "b", "n", "k", "groups"),
+    [("tf32x2", 9, 64, 256, 1), ("int8", 20, 64, 1024, 3), ("tf32x2", 40, 128, 512, 1)],
+    ids=str,
+)
+def test_q8_rows_scale_copies(scales, mode, b, n, k, groups):
+    """Q8RowsConfig.scales: the f32 copies of the block scales (row- or block-major) hold the f16 scales
+    exactly, so the products equal the f16 scales' bit for bit, grouped rows and split-K included; the copy
+    is made once, beside d."""
+    shape = (groups, n, k) if groups > 1 else (n, k)
+    w = packed(GGMLType.Q8_0, shape, seed=60 + b)
+    x = torch.randn(b, groups * k, generator=generator(60 + b), device=DEVICE) * 3.0
+    base = matvec.Q8RowsConfig(mode=mode)
+    want = matvec.q8_rows(x, w, n, base)
+    got = matvec.q8_rows(x, w, n, replace(base, scales=scales))
+    assert torch.equal(got, want)
+    key = {"f32": "d32", "f32t": "d32t"}[scales]
+    copy = w.data[key]
+    assert copy.dtype == torch.float32 and copy.numel() == w.data["d"].numel()
+    matvec.q8_rows(x, w, n, replace(base, scales=scales))
+    assert w.data[key] is copy  # packed once
+    with pytest.raises(ValueError, match="scales must be one of"):
+        matvec.q8_rows(x, w, n, replace(base, scales="bf16"))
 
 
 @pytest.mark.parametrize("mode", ["tf32x2", "int8"])

@@ -947,6 +947,7 @@ class Q8RowsConfig:
     mode: str = "tf32x2"  # Q8_ROWS_MODES
     blocks: int = 1  # 32-blocks per k iteration (rows_blocks): the bytes a pipeline stage fetches
     min_blocks: int = 4  # 32-blocks a split keeps at least: each split also writes an f32 [BB, BN] partial
+    scales: str = "f16"  # Q8_ROWS_SCALES: which copy of the block scales the kernel reads
 
 
 # The products of a block: "tf32x2" (above: x as tf32 hi + lo, two tf32 MMAs, ~2^-21 per product), or the
@@ -965,6 +966,41 @@ class Q8RowsConfig:
 # (no int8 -> f32 conversion, half the operand bytes of tf32) — the math of ref.qmatvec_q8_0_int, so with
 # Q8_MV1.int8 a batched step's block dots equal the single session's.
 Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
+
+# The block scales q8_rows reads: "f16" the packed d [R, K/32] itself; "f32" an f32 copy in that layout,
+# "f32t" an f32 copy block-major [K/32, R] (rows_scales_pack adds them to w.data: 1/8 of the weight bytes
+# more). Why: a 2-byte load cannot be a cp.async (4 bytes at least), so Triton's pipeline loads the f16
+# scales into registers and stores them to shared memory itself, and that store waits on the load (Nsight
+# Compute, session 28: q8_rows at B = 32 latency-bound, the STS.U16 of loaded data the top stall line, 11.5 %
+# of the samples). f32 scales go through cp.async like the quants and x; block-major they are also one
+# contiguous run of BN a block instead of BN strided sectors.
+Q8_ROWS_SCALES = ("f16", "f32", "f32t")
+_SCALE_KEYS = {"f32": "d32", "f32t": "d32t"}
+
+
+def rows_scales_pack(w: PackedWeight, scales: str) -> None:
+    """Adds the f32 copy of w's Q8_0 block scales that Q8RowsConfig(scales=...) reads (no-op for "f16" or
+    when present). Outside any CUDA-graph capture: the model's matrices are packed before their graphs."""
+    key = _SCALE_KEYS.get(scales)
+    if key is None or key in w.data:
+        return
+    d = w.data["d"].reshape(w.rows, w.K // 32).float()  # [R, K/32]
+    w.data[key] = d.t().contiguous() if scales == "f32t" else d
+
+
+def _rows_scales(w: PackedWeight, scales: str) -> tuple[torch.Tensor, int, int]:
+    """(scales, row stride, block stride) of w for q8_rows, packing the copy first where missing."""
+    if scales not in Q8_ROWS_SCALES:
+        raise ValueError(f"q8_rows: scales must be one of {Q8_ROWS_SCALES}, got {scales!r}")
+    if scales == "f16":
+        return w.data["d"], w.K // 32, 1
+    capturing = w.data["d"].is_cuda and torch.cuda.is_current_stream_capturing()
+    if _SCALE_KEYS[scales] not in w.data and capturing:
+        raise RuntimeError(f"q8_rows: scales {scales!r} need rows_scales_pack before a graph capture")
+    rows_scales_pack(w, scales)
+    if scales == "f32t":
+        return w.data["d32t"], 1, w.rows
+    return w.data["d32"], w.K // 32, 1
 
 
 # Against the dense bf16 GEMM it replaces in batched decode (bench_q8.py --rows, session 8, tf32x2): 1.42x
@@ -1003,6 +1039,7 @@ Q8_ROWS = Q8RowsConfig(
     blocks=int(os.environ.get("DS4_Q8_ROWS_BLOCKS", "1")),
     warps=int(os.environ.get("DS4_Q8_ROWS_WARPS", "2")),
     bn=int(os.environ.get("DS4_Q8_ROWS_BN", "64")),
+    scales=os.environ.get("DS4_Q8_ROWS_SCALES", "f16"),
 )
 Q8_ROWS_WIDE_TILE = {"bn": 128, "warps": 8, "min_blocks": 16}  # tools set Q8_ROWS_WIDE from it
 _WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "1") == "1"
@@ -1026,12 +1063,12 @@ def rows_config(b: int) -> Q8RowsConfig:
 
 
 @triton.jit
-def _q8_rows_block(qp, dp, xp, bmask, kb, dxp, XPLANE, MODE: tl.constexpr):
-    """[BN, BB] f32 products of 32-block kb (quant pointers qp [BN, 32], scales dp [BN], x pointers xp
-    [BB, 32] of rows bmask): the block's dots in MODE, times its scales. "int8": xp points into x's first
-    int8 plane (the second XPLANE further), dxp [BB] to their scales: the int32 dot q . (254 x1 + x2) as
-    two int8 MMAs, times d_w d_x."""
-    d = tl.load(dp + kb).to(tl.float32)  # [BN]
+def _q8_rows_block(qp, dp, xp, bmask, kb, dxp, XPLANE, DKB, MODE: tl.constexpr):
+    """[BN, BB] f32 products of 32-block kb (quant pointers qp [BN, 32], scales dp [BN] (DKB apart a block), x
+    pointers xp [BB, 32] of rows bmask): the block's dots in MODE, times its scales. "int8": xp points into
+    x's first int8 plane (the second XPLANE further), dxp [BB] to their scales: the int32 dot
+    q . (254 x1 + x2) as two int8 MMAs, times d_w d_x."""
+    d = tl.load(dp + kb * DKB).to(tl.float32)  # [BN]
     if MODE == "int8":
         q = tl.load(qp + kb * 32)  # [BN, 32] int8
         x1 = tl.load(xp + kb * 32, mask=bmask[:, None], other=0)  # [BB, 32] int8
@@ -1077,6 +1114,8 @@ def _q8_rows_kernel(
     stride_x,
     XPLANE,
     kb_per_split,
+    DROW,
+    DKB,
     BB: tl.constexpr,
     BN: tl.constexpr,
     STAGES: tl.constexpr,
@@ -1087,7 +1126,8 @@ def _q8_rows_kernel(
     """Partials out [S, B, N] of x [B, G * K] (row n reads group n // NG) @ W^T, program (row tile, batch
     tile, split); FIXUP: the last split of each tile also writes the sum to sum_ptr [B, N]. MODE: the
     block products (Q8RowsConfig.mode); "int8": x_ptr the planes [2, B, G * K] int8 (XPLANE apart, rows
-    stride_x = G * K), dx_ptr their scales [B, G * K / 32]."""
+    stride_x = G * K), dx_ptr their scales [B, G * K / 32]. dsc: W's block scales, DROW apart a row and DKB
+    a block (Q8RowsConfig.scales)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -1099,7 +1139,7 @@ def _q8_rows_kernel(
     e = tl.arange(0, 32)
     xbase = ((pid_n * BN) // NG).to(tl.int64) * K  # the program's rows all lie in one group (BN | NG)
     qp = qs + wrow[:, None] * K + e[None, :]  # [BN, 32]
-    dp = dsc + wrow * (K // 32)  # [BN]
+    dp = dsc + wrow * DROW  # [BN]
     xp = x_ptr + b[:, None].to(tl.int64) * stride_x + xbase + e[None, :]  # [BB, 32]
     dxp = dx_ptr + b.to(tl.int64) * (stride_x // 32) + xbase // 32  # [BB] (int8)
     kb_lo = pid_s * kb_per_split
@@ -1107,7 +1147,7 @@ def _q8_rows_kernel(
     acc = tl.zeros([BN, BB], dtype=tl.float32)
     for kb0 in tl.range(kb_lo, kb_hi, NB, num_stages=STAGES):
         for j in tl.static_range(NB):  # NB blocks per iteration: more bytes in flight per program
-            acc += _q8_rows_block(qp, dp, xp, bmask, kb0 + j, dxp, XPLANE, MODE)
+            acc += _q8_rows_block(qp, dp, xp, bmask, kb0 + j, dxp, XPLANE, DKB, MODE)
     tile = pid_n * tl.num_programs(1) + pid_b
     _store_partial(out_ptr, sum_ptr, cnt_ptr, tl.trans(acc), b, bmask, n, B, N, tile, BB, BN, FIXUP)
 
@@ -1137,6 +1177,7 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
         raise ValueError(f"q8_rows: mode must be one of {Q8_ROWS_MODES}, got {cfg.mode!r}")
     if rows_per_group % cfg.bn and rows_per_group != N:
         raise ValueError(f"q8_rows: {cfg.bn} rows per program must divide the group of {rows_per_group} rows")
+    dsc, drow, dkb = _rows_scales(w, cfg.scales)
     bb, per, grid = q8_rows_plan(B, N, K, cfg)
     o = split_outputs(x.device, grid[2], grid[0] * grid[1], (B, N))  # partials [S, B, N]
     xq, dx, stride, plane = x, x, x.stride(0), 0
@@ -1144,9 +1185,9 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
         q, dx = quantize_q8k(x, 2, 32)  # [2, B, GK], [B, GK/32]
         xq, stride, plane = q, q.shape[2], q[0].numel()
     _q8_rows_kernel[grid](
-        xq, dx, w.data["qs"], w.data["d"], o.part, o.total, o.cnt, B, N, K, rows_per_group, stride, plane,
-        per, BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode, NB=rows_blocks(K, cfg),
-        num_warps=cfg.warps, launch_pdl=PDL,
+        xq, dx, w.data["qs"], dsc, o.part, o.total, o.cnt, B, N, K, rows_per_group, stride, plane,
+        per, drow, dkb, BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode,
+        NB=rows_blocks(K, cfg), num_warps=cfg.warps, launch_pdl=PDL,
     )  # fmt: skip
     return o.result()
 

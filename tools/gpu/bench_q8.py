@@ -303,9 +303,9 @@ if "--cfgs" in sys.argv:  # a subset: --cfgs "w4,bn32 w2"
 
 
 def rows_cfg(spec: str) -> mv.Q8RowsConfig:
-    """'field=value,...' -> Q8_ROWS with those fields (ints, or the mode name)."""
+    """'field=value,...' -> Q8_ROWS with those fields (ints, or the mode / scales name)."""
     kw = dict(item.split("=") for item in spec.split(","))
-    return replace(mv.Q8_ROWS, **{k: v if k == "mode" else int(v) for k, v in kw.items()})
+    return replace(mv.Q8_ROWS, **{k: v if k in ("mode", "scales") else int(v) for k, v in kw.items()})
 
 
 def _row_cfg_ways(x: torch.Tensor, ws: list[PackedWeight], nop) -> dict:
