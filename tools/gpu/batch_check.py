@@ -136,6 +136,12 @@ def _mv1_int8(matvec):
     return replace(matvec.Q8_MV1, int8=True, **matvec.Q8_INT8_TILE)
 
 
+def _rows_scales(matvec, scales: str) -> dict:
+    """Every q8_rows tile (narrow, default, wide) reading the block scales' f32 copy `scales`."""
+    tiles = ("Q8_ROWS", "Q8_ROWS_NARROW", "Q8_ROWS_WIDE")
+    return {(matvec, t): replace(getattr(matvec, t), scales=scales) for t in tiles if getattr(matvec, t)}
+
+
 def _variants() -> dict[str, dict]:
     """--variants: name -> {(module, attribute): value} set for a timing, the defaults restored after."""
     from ds4.kernels import attend, fused, matvec, moe, moe_grouped
@@ -227,6 +233,8 @@ def _variants() -> dict[str, dict]:
         "rows int8 + mv1 int8": {**_rows_int8(matvec), (matvec, "Q8_MV1"): _mv1_int8(matvec)},
         "tail torch": {(cfused, "TAIL_FUSED"): False},  # the head's HC + norm, hash routing as torch chains
         "merged rows 8": {(layer, "MERGED_ROWS"): 8},  # q_a + kv, gate + up: one q8_rows launch each above 8
+        "rows f32": _rows_scales(matvec, "f32"),  # session 29: q8_rows's block scales as an f32 copy
+        "rows f32t": _rows_scales(matvec, "f32t"),  # ... block-major (packed in the graphs' eager warm-up)
     }
 
 

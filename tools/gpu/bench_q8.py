@@ -296,6 +296,11 @@ ROW_CFGS = {  # q8_rows variants timed beside the default (spec: Q8RowsConfig fi
     "bn32 w1": "bn=32,warps=1",
     "bn32 w2 t2112": "bn=32,warps=2,target=2112",
     "w2 mb16": "warps=2,min_blocks=16",
+    # session 29: the block scales as an f32 copy (cp.async-able), row- or block-major; with BN 128
+    "f32": "scales=f32",
+    "f32t": "scales=f32t",
+    "bn128": "bn=128",
+    "bn128 f32t": "bn=128,scales=f32t",
 }
 if "--cfgs" in sys.argv:  # a subset: --cfgs "w4,bn32 w2"
     _pick = sys.argv[sys.argv.index("--cfgs") + 1].split(",")
@@ -420,12 +425,12 @@ _PTR |= {"xq_ptr": "*i32", "dx_ptr": "*fp32"}
 _DIV16 = ("N", "K", "NG", "stride_x", "XPLANE")
 
 
-def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "*i8"):
+def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "*i8", d_type: str = "*fp16"):
     """fn compiled for sm_90: pointers 16-byte aligned, ints i32 (_DIV16 divisible by 16), constexprs."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ptr = {**_PTR, "x_ptr": x_type, "qs": qs_type}
+    ptr = {**_PTR, "x_ptr": x_type, "qs": qs_type, "dsc": d_type}
     sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
     div = [i for i, a in enumerate(fn.arg_names) if a in ptr or (a in _DIV16 and a not in consts)]
     attrs = {(i,): [["tt.divisibility", 16]] for i in div}
@@ -461,7 +466,9 @@ def _loop_summary(cubin: bytes, weights_per_thread: float) -> str:
     i2f = sum(op == "I2F" for op in body)
     parts = " ".join(f"{c} {n / weights_per_thread:.2f}" for c, n in sorted(by.items()))
     per = len(body) / weights_per_thread
-    return f"k loop {len(body)} ({per:.2f}/weight: {parts}; I2F {i2f}, BAR {by['bar']})"
+    sts, ldgsts = body.count("STS"), body.count("LDGSTS")  # loads staged by hand vs by cp.async
+    staged = f"STS {sts}, LDGSTS {ldgsts}"
+    return f"k loop {len(body)} ({per:.2f}/weight: {parts}; I2F {i2f}, BAR {by['bar']}, {staged})"
 
 
 def compile_only() -> int:
@@ -490,22 +497,27 @@ def compile_only() -> int:
     row_builds = [(m, bb, 1, rows.bn, rows.warps) for m in mv.Q8_ROWS_MODES for bb in (16, 32, 64)]
     row_builds += [("tf32x2", 32, 4, rows.bn, rows.warps), ("int8", 32, 4, rows.bn, rows.warps)]
     row_builds += [("tf32x2", bb, 1, bn, w) for bb in (16, 32, 64) for bn, w in ((64, 2), (32, 2), (32, 1))]
-    for mode, bb, nb, bn, warps in row_builds:
+    row_builds = [(*b, "f16") for b in row_builds]
+    row_builds += [("tf32x2", 32, 1, bn, rows.warps, sc) for bn in (64, 128) for sc in ("f32", "f32t")]
+    row_builds += [("tf32x2", 32, 1, 128, rows.warps, "f16")]
+    for mode, bb, nb, bn, warps, scales in row_builds:
         consts = {"BB": bb, "BN": bn, "STAGES": rows.stages, "FIXUP": True, "NB": nb}
+        consts |= {"DROW": 1} if scales == "f32t" else {"DKB": 1}  # the stride of 1 the JIT specializes
         wpt = bn * 32 * nb / (32 * warps)
-        label = f"q8_rows {mode} BB{bb} BN{bn} NB{nb} w{warps}"
+        label = f"q8_rows {mode} BB{bb} BN{bn} NB{nb} w{warps}" + (f" {scales}" if scales != "f16" else "")
         consts["MODE"] = mode
         x_type = "*i8" if mode == "int8" else "*fp32"  # int8: x's planes
-        runs.append((label, mv._q8_rows_kernel, consts, warps, x_type, "*i8", wpt))
+        d_type = "*fp16" if scales == "f16" else "*fp32"
+        runs.append((label, mv._q8_rows_kernel, consts, warps, x_type, "*i8", wpt, d_type))
     # _split_fixup's other user
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))
     print(f"triton {triton.__version__}, sm_90")
     failures = 0
-    for name, fn, consts, warps, xt, qt, wpt in runs:
+    for name, fn, consts, warps, xt, qt, wpt, *dt in runs:
         t0 = time.time()
         try:
-            cubin = _build(fn, consts, warps, xt, qt).asm["cubin"]
+            cubin = _build(fn, consts, warps, xt, qt, *dt).asm["cubin"]
             summary = _usage(cubin) + (f"\n      {_loop_summary(cubin, wpt)}" if wpt else "")
         except Exception as e:  # report every build
             failures += 1

@@ -5,6 +5,9 @@
 #           off until this passes); the quad layout per layer (bench_moe_grouped --pick=-2,-1).
 #   part b: 20-layer B = 16 / 32 steps with the quad layout (grouped qp), then q8_rows at BN 128 on 30-layer
 #           B = 24 / 32 steps.
+#   part d: q8_rows reading f32 copies of the block scales (Q8RowsConfig.scales: the f16 scales' 2-byte loads
+#           are staged by hand, STS.U16 the top stall at B = 32; f32: cp.async, sm_90 STS 1 -> 0 in the k loop,
+#           127 -> 166 registers): GPU tests, bench_q8 --rows, 30-layer B = 16 / 32 steps.
 #   part c (H200, the whole q2 model): B = 1 / 32 steps and the bars at the defaults (ds4-bench 2k / 64k).
 # Usage: bash tools/gpu/session29.sh a|b|c   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -20,6 +23,13 @@ if [ "$1" = b ]; then
     --batches 16,32 --ctx 8192 --steps 16 --rounds 2
   TAIL=8 run rows "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
     --variants "rows:bn=128,rows:bn=128+stages=4" --batches 24,32 --ctx 8192 --steps 16 --rounds 2
+fi
+if [ "$1" = d ]; then
+  TAIL=3 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    -k "q8_rows"
+  TAIL=12 run rows 150 python3 tools/gpu/bench_q8.py --rows --cfgs "f32,f32t,bn128,bn128 f32t"
+  TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+    --variants "rows f32,rows f32t" --batches 16,32 --ctx 8192 --steps 16 --rounds 2
 fi
 if [ "$1" = c ]; then
   TAIL=10 run steps 150 python3 tools/gpu/batch_check.py --skip-check --batches 1,32 --ctx 8192 --steps 16
