@@ -948,6 +948,7 @@ class Q8RowsConfig:
     blocks: int = 1  # 32-blocks per k iteration (rows_blocks): the bytes a pipeline stage fetches
     min_blocks: int = 4  # 32-blocks a split keeps at least: each split also writes an f32 [BB, BN] partial
     scales: str = "f16"  # Q8_ROWS_SCALES: which copy of the block scales the kernel reads
+    maxnreg: int = 0  # a register cap for ptxas (0: none); the f32 scales build at 166 registers, not 127
 
 
 # The products of a block: "tf32x2" (above: x as tf32 hi + lo, two tf32 MMAs, ~2^-21 per product), or the
@@ -1188,6 +1189,7 @@ def q8_rows(x: torch.Tensor, w: PackedWeight, rows_per_group: int, cfg: Q8RowsCo
         xq, dx, w.data["qs"], dsc, o.part, o.total, o.cnt, B, N, K, rows_per_group, stride, plane,
         per, drow, dkb, BB=bb, BN=cfg.bn, STAGES=cfg.stages, FIXUP=o.fixup, MODE=cfg.mode,
         NB=rows_blocks(K, cfg), num_warps=cfg.warps, launch_pdl=PDL,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and x.is_cuda else {}),  # the interpreter takes no cap
     )  # fmt: skip
     return o.result()
 

@@ -301,6 +301,7 @@ ROW_CFGS = {  # q8_rows variants timed beside the default (spec: Q8RowsConfig fi
     "f32t": "scales=f32t",
     "bn128": "bn=128",
     "bn128 f32t": "bn=128,scales=f32t",
+    "f32t r144": "scales=f32t,maxnreg=144",  # 7 programs an SM instead of 6 (sm_90: 24 bytes of spill)
 }
 if "--cfgs" in sys.argv:  # a subset: --cfgs "w4,bn32 w2"
     _pick = sys.argv[sys.argv.index("--cfgs") + 1].split(",")
@@ -425,7 +426,7 @@ _PTR |= {"xq_ptr": "*i32", "dx_ptr": "*fp32"}
 _DIV16 = ("N", "K", "NG", "stride_x", "XPLANE")
 
 
-def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "*i8", d_type: str = "*fp16"):
+def _build(fn, consts: dict, warps: int, x_type="*fp32", qs_type="*i8", d_type="*fp16", maxnreg: int = 0):
     """fn compiled for sm_90: pointers 16-byte aligned, ints i32 (_DIV16 divisible by 16), constexprs."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -435,7 +436,8 @@ def _build(fn, consts: dict, warps: int, x_type: str = "*fp32", qs_type: str = "
     div = [i for i, a in enumerate(fn.arg_names) if a in ptr or (a in _DIV16 and a not in consts)]
     attrs = {(i,): [["tt.divisibility", 16]] for i in div}
     src = ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    opts = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def _usage(cubin: bytes) -> str:
@@ -500,15 +502,18 @@ def compile_only() -> int:
     row_builds = [(*b, "f16") for b in row_builds]
     row_builds += [("tf32x2", 32, 1, bn, rows.warps, sc) for bn in (64, 128) for sc in ("f32", "f32t")]
     row_builds += [("tf32x2", 32, 1, 128, rows.warps, "f16")]
-    for mode, bb, nb, bn, warps, scales in row_builds:
+    row_builds = [(*b, 0) for b in row_builds]
+    row_builds += [("tf32x2", 32, 1, 64, rows.warps, "f32t", cap) for cap in (128, 144)]
+    for mode, bb, nb, bn, warps, scales, cap in row_builds:
         consts = {"BB": bb, "BN": bn, "STAGES": rows.stages, "FIXUP": True, "NB": nb}
         consts |= {"DROW": 1} if scales == "f32t" else {"DKB": 1}  # the stride of 1 the JIT specializes
         wpt = bn * 32 * nb / (32 * warps)
         label = f"q8_rows {mode} BB{bb} BN{bn} NB{nb} w{warps}" + (f" {scales}" if scales != "f16" else "")
+        label += f" cap{cap}" if cap else ""
         consts["MODE"] = mode
         x_type = "*i8" if mode == "int8" else "*fp32"  # int8: x's planes
         d_type = "*fp16" if scales == "f16" else "*fp32"
-        runs.append((label, mv._q8_rows_kernel, consts, warps, x_type, "*i8", wpt, d_type))
+        runs.append((label, mv._q8_rows_kernel, consts, warps, x_type, "*i8", wpt, d_type, cap))
     # _split_fixup's other user
     hmv = {"BB": 8, "BN": 32, "TK": 128, "MODE": 2, "STAGES": 2, "FIXUP": True, "PREFETCH": False}
     runs.append(("hmv tf32x2 (fixup)", mv._hmv_kernel, hmv, 4, "*fp32", "*i8", 0))

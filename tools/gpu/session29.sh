@@ -27,7 +27,7 @@ fi
 if [ "$1" = d ]; then
   TAIL=3 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
     -k "q8_rows"
-  TAIL=12 run rows 150 python3 tools/gpu/bench_q8.py --rows --cfgs "f32,f32t,bn128,bn128 f32t"
+  TAIL=12 run rows 150 python3 tools/gpu/bench_q8.py --rows --cfgs "f32,f32t,bn128,bn128 f32t,f32t r144"
   TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
     --variants "rows f32,rows f32t" --batches 16,32 --ctx 8192 --steps 16 --rounds 2
 fi
