@@ -8,6 +8,8 @@
 #   part d: q8_rows reading f32 copies of the block scales (Q8RowsConfig.scales: the f16 scales' 2-byte loads
 #           are staged by hand, STS.U16 the top stall at B = 32; f32: cp.async, sm_90 STS 1 -> 0 in the k loop,
 #           127 -> 166 registers): GPU tests, bench_q8 --rows, 30-layer B = 16 / 32 steps.
+#   part e: a and d in one call: GPU tests of both, the check at B = 1 / 3 / 8 / 16 with the small-row down
+#           tile AND the f32t scales on (f32t is bit-equal to f16 under the interpreter), steps 'rows f32t'.
 #   part c (H200, the whole q2 model): B = 1 / 32 steps and the bars at the defaults (ds4-bench 2k / 64k).
 # Usage: bash tools/gpu/session29.sh a|b|c   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -30,6 +32,14 @@ if [ "$1" = d ]; then
   TAIL=12 run rows 150 python3 tools/gpu/bench_q8.py --rows --cfgs "f32,f32t,bn128,bn128 f32t,f32t r144"
   TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
     --variants "rows f32,rows f32t" --batches 16,32 --ctx 8192 --steps 16 --rounds 2
+fi
+if [ "$1" = e ]; then
+  TAIL=3 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
+    tests/test_kernels_moe_grouped.py -k "scale_copies or q8_rows_f32 or small_rows or flash"
+  TAIL=14 run check 230 env DS4_MOE_GROUPED_BN_PAIR_DN_SMALL=64 DS4_Q8_ROWS_SCALES=f32t \
+    python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
+  TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+    --variants "rows f32t" --batches 16,32 --ctx 8192 --steps 16 --rounds 2
 fi
 if [ "$1" = c ]; then
   TAIL=10 run steps 150 python3 tools/gpu/batch_check.py --skip-check --batches 1,32 --ctx 8192 --steps 16
