@@ -1074,6 +1074,10 @@ CONFIG = GroupedConfig(
     mma_ld128=os.environ.get("DS4_MOE_GROUPED_MMA_LD128", "1") == "1",
 )
 
+# The dp4a gate/up as the engine ran it in sessions 25-27 (the tools' baseline for it: bench_moe_grouped,
+# batch_check's "grouped dp4a" and the variants built on it).
+DP4A_FIELDS = {"mma": False, "mma_ld128": False, "lds": True, "lds_rep": 16}
+
 
 @dataclass(frozen=True)
 class ExpertRuns:

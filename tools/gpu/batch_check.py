@@ -148,7 +148,7 @@ def _variants() -> dict[str, dict]:
     from ds4.model.cuda import fused as cfused
 
     # the dp4a gate/up as the engine ran it in sessions 25-27 (the variants timed then are fields on it)
-    dp4a = replace(moe_grouped.CONFIG, mma=False, mma_ld128=False, lds=True, lds_rep=16)
+    dp4a = replace(moe_grouped.CONFIG, **moe_grouped.DP4A_FIELDS)
 
     def grouped(**fields) -> dict:  # the batched routed experts at that config with these fields
         return {(moe_grouped, "CONFIG"): replace(dp4a, **fields)}

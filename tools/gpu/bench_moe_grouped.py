@@ -49,7 +49,7 @@ CLAMP = 10.0
 CHAIN_TOL = 1e-4
 PAIR_GU, PAIR_DN = moe.GATE_UP, moe.DOWN  # the engine's pair kernels as configured now (int8 by default)
 # the dp4a gate/up as the engine ran it in sessions 25-27: the base of the variants timed then
-DP4A = replace(moe_grouped.CONFIG, mma=False, mma_ld128=False, lds=True, lds_rep=16)
+DP4A = replace(moe_grouped.CONFIG, **moe_grouped.DP4A_FIELDS)
 GU_VARIANTS = [
     moe_grouped.CONFIG,  # the engine's
     DP4A,  # the engine's before session 28
