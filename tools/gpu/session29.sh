@@ -10,6 +10,7 @@
 #           127 -> 166 registers): GPU tests, bench_q8 --rows, 30-layer B = 16 / 32 steps.
 #   part e: a and d in one call: GPU tests of both, the check at B = 1 / 3 / 8 / 16 with the small-row down
 #           tile AND the f32t scales on (f32t is bit-equal to f16 under the interpreter), steps 'rows f32t'.
+#   part f: e for a short call: the check (both on), then 'rows f32t' steps at B = 32 in what is left.
 #   part c (H200, the whole q2 model): B = 1 / 32 steps and the bars at the defaults (ds4-bench 2k / 64k).
 # Usage: bash tools/gpu/session29.sh a|b|c   (BUDGET: seconds for the call, 570 by default)
 source "$(dirname "$0")/session_lib.sh"
@@ -40,6 +41,12 @@ if [ "$1" = e ]; then
     python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
   TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
     --variants "rows f32t" --batches 16,32 --ctx 8192 --steps 16 --rounds 2
+fi
+if [ "$1" = f ]; then
+  TAIL=14 run check 230 env DS4_MOE_GROUPED_BN_PAIR_DN_SMALL=64 DS4_Q8_ROWS_SCALES=f32t \
+    python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
+  TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
+    --variants "rows f32t" --batches 32 --ctx 8192 --steps 16 --rounds 2
 fi
 if [ "$1" = c ]; then
   TAIL=10 run steps 150 python3 tools/gpu/batch_check.py --skip-check --batches 1,32 --ctx 8192 --steps 16
