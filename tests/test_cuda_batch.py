@@ -510,3 +510,46 @@ def test_prefetch_sites_request_each_layers_weights(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match="DS4_PREFETCH"):
         layer._parse_prefetch("o=36,head=4")
     assert layer._parse_prefetch(" attn=42 , o=36") == {"attn": 42, "o": 36}
+
+
+@pytest.mark.parametrize("scales", ["f32", "f32t"])
+def test_rows_scale_copies_packed_at_load_and_merged(monkeypatch, scales):
+    """With q8_rows switched to an f32 scale copy (matvec.Q8RowsConfig.scales), the model packs every Q8_0
+    matrix's copy at load, so the copies are in weight_bytes (exactly twice the f16 scales' bytes) and no
+    graph capture allocates them; the merged matrices (q_a + kv, shared gate +
+    up) hold their parts' copies, and each part's copy is its own rows of the merged one."""
+    from ds4.kernels import matvec
+
+    pytest.importorskip("gguf", reason="building the tiny model file needs gguf (absent on the GPU machine)")
+    from ds4.tools.make_model import ensure_tiny_model
+
+    path = ensure_tiny_model()
+    plain = _model(path, kernels=True)
+    for tile in ("Q8_ROWS", "Q8_ROWS_NARROW", "Q8_ROWS_WIDE"):
+        monkeypatch.setattr(matvec, tile, replace(getattr(matvec, tile), scales=scales))
+    m = _model(path, kernels=True)
+    key = {"f32": "d32", "f32t": "d32t"}[scales]
+    q8 = [q.packed for q in _qlinears(m) if q.packed.qtype.name == "Q8_0"]
+    assert q8 and all(key in w.data for w in q8)
+    f16_bytes = sum(w.data["d"].numel() * 2 for w in q8)
+    assert m.weight_bytes() - plain.weight_bytes() == 2 * f16_bytes  # f32: twice the f16 scales' bytes
+    for w in q8:
+        d = w.data["d"].reshape(w.rows, -1).float()
+        assert torch.equal(w.data[key].t() if scales == "f32t" else w.data[key], d)
+    for sd in (blk.side for blk in m.layers):
+        for merged in (sd.qa_kv, sd.shared_gu):
+            d = merged.data["d"].reshape(merged.rows, -1).float()
+            assert torch.equal(merged.data[key].t() if scales == "f32t" else merged.data[key], d)
+
+
+def _qlinears(m: CudaModel) -> list:
+    """Every QLinear of the model's layers and head (one level of attribute nesting, as the weights hold)."""
+    from ds4.model.cuda.weights import QLinear
+
+    out = [m.output] if isinstance(m.output, QLinear) else []
+    for blk in m.layers:
+        for part in vars(blk.w).values():
+            for v in [part, *getattr(part, "__dict__", {}).values()]:
+                if isinstance(v, QLinear):
+                    out.append(v)
+    return out

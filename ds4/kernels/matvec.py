@@ -977,11 +977,13 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # contiguous run of BN a block instead of BN strided sectors.
 Q8_ROWS_SCALES = ("f16", "f32", "f32t")
 _SCALE_KEYS = {"f32": "d32", "f32t": "d32t"}
+SCALE_COPY_ROW_DIM = {"d32": 0, "d32t": 1}  # the matrix-row axis of each copy (merging / slicing rows)
 
 
 def rows_scales_pack(w: PackedWeight, scales: str) -> None:
     """Adds the f32 copy of w's Q8_0 block scales that Q8RowsConfig(scales=...) reads (no-op for "f16" or
-    when present). Outside any CUDA-graph capture: the model's matrices are packed before their graphs."""
+    when present). The model packs its matrices' copies at load (rows_scales_in_use), so that they are in
+    its weight bytes and never allocated inside a graph capture."""
     key = _SCALE_KEYS.get(scales)
     if key is None or key in w.data:
         return
@@ -989,19 +991,24 @@ def rows_scales_pack(w: PackedWeight, scales: str) -> None:
     w.data[key] = d.t().contiguous() if scales == "f32t" else d
 
 
+def rows_scales_in_use() -> list[str]:
+    """The scale copies the q8_rows tiles in force read (none at the f16 default)."""
+    tiles = (Q8_ROWS, Q8_ROWS_NARROW, Q8_ROWS_WIDE)
+    return sorted({t.scales for t in tiles if t is not None and t.scales != "f16"})
+
+
 def _rows_scales(w: PackedWeight, scales: str) -> tuple[torch.Tensor, int, int]:
-    """(scales, row stride, block stride) of w for q8_rows, packing the copy first where missing."""
+    """(scales, row stride, block stride) of w for q8_rows, packing the copy first where missing (tests,
+    tools); a copy may be a column slice of a merged matrix's (block-major), hence the strides."""
     if scales not in Q8_ROWS_SCALES:
         raise ValueError(f"q8_rows: scales must be one of {Q8_ROWS_SCALES}, got {scales!r}")
-    if scales == "f16":
-        return w.data["d"], w.K // 32, 1
-    capturing = w.data["d"].is_cuda and torch.cuda.is_current_stream_capturing()
-    if _SCALE_KEYS[scales] not in w.data and capturing:
-        raise RuntimeError(f"q8_rows: scales {scales!r} need rows_scales_pack before a graph capture")
-    rows_scales_pack(w, scales)
-    if scales == "f32t":
-        return w.data["d32t"], 1, w.rows
-    return w.data["d32"], w.K // 32, 1
+    if scales != "f16" and _SCALE_KEYS[scales] not in w.data:
+        if w.data["d"].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"q8_rows: scales {scales!r} need rows_scales_pack before a graph capture")
+        rows_scales_pack(w, scales)
+    d = w.data[_SCALE_KEYS.get(scales, "d")]
+    d = d.reshape(w.rows, w.K // 32) if scales == "f16" else d
+    return (d, d.stride(1), d.stride(0)) if scales == "f32t" else (d, d.stride(0), d.stride(1))
 
 
 # Against the dense bf16 GEMM it replaces in batched decode (bench_q8.py --rows, session 8, tf32x2): 1.42x

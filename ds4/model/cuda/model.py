@@ -324,12 +324,15 @@ def _merge_packed(obj, *names: str):
     ps = [w.packed for w in ws]
     if len({(p.qtype, p.K, tuple(p.data)) for p in ps}) != 1:
         return None
+    from ds4.kernels.matvec import SCALE_COPY_ROW_DIM  # q8_rows's block-major scale copy: rows on dim 1
+
+    dim = {k: SCALE_COPY_ROW_DIM.get(k, 0) for k in ps[0].data}
     merged = type(ps[0])(ps[0].qtype, (sum(p.N for p in ps), ps[0].K), {
-        k: torch.cat([p.data[k] for p in ps]) for k in ps[0].data
+        k: torch.cat([p.data[k] for p in ps], dim[k]) for k in ps[0].data
     })  # fmt: skip
     r0 = 0
     for name, w, p in zip(names, ws, ps, strict=True):
-        rows = {k: v[r0 : r0 + p.N] for k, v in merged.data.items()}
+        rows = {k: v.narrow(dim[k], r0, p.N) for k, v in merged.data.items()}
         setattr(obj, name, QLinear(w.dense, type(p)(p.qtype, p.shape, rows)))
         r0 += p.N
     return merged

@@ -104,9 +104,13 @@ class WeightStore:
         if big and self.dtype != torch.float32:
             out = out.to(self.dtype)
         if self.kernels and qtype == GGMLType.Q8_0 and name != "token_embd.weight":
+            from ds4.kernels.matvec import rows_scales_in_use, rows_scales_pack
             from ds4.kernels.packing import pack
 
-            return QLinear(out.contiguous(), pack(raw, qtype, shape))
+            w = pack(raw, qtype, shape)
+            for scales in rows_scales_in_use():  # q8_rows's f32 scale copies, where switched on
+                rows_scales_pack(w, scales)
+            return QLinear(out.contiguous(), w)
         return out.contiguous()
 
     def packed(self, name: str):
