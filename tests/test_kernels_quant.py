@@ -357,6 +357,21 @@ def test_q8_rows_scale_copies(scales, mode, b, n, k, groups):
         matvec.q8_rows(x, w, n, replace(base, scales="bf16"))
 
 
+@pytest.mark.parametrize("scales", ["f32", "f32t"])
+def test_q8_rows_scale_copy_of_a_row_slice(scales):
+    """The rows 64..127 of a matrix as a matrix of their own (a merged matrix's part, as the model holds
+    q_a + kv): its scale copy a slice of the whole one (block-major: a column slice, rows of the whole apart
+    a block) reads the part's own scales, bit-equal to the part's f16 scales."""
+    w = packed(GGMLType.Q8_0, (192, 256), seed=66)
+    matvec.rows_scales_pack(w, scales)
+    dims = {"d32": 0, "d32t": 1}
+    part = PackedWeight(w.qtype, (64, 256), {k: v.narrow(dims.get(k, 0), 64, 64) for k, v in w.data.items()})
+    x = torch.randn(12, 256, generator=generator(66), device=DEVICE)
+    want = matvec.q8_rows(x, part, 64, matvec.Q8RowsConfig())
+    assert torch.equal(matvec.q8_rows(x, part, 64, matvec.Q8RowsConfig(scales=scales)), want)
+    assert dims == matvec.SCALE_COPY_ROW_DIM
+
+
 @pytest.mark.parametrize("mode", ["tf32x2", "int8"])
 @pytest.mark.parametrize(("blocks", "k"), [(2, 1024), (4, 1024), (8, 2048), (4, 96)], ids=str)
 def test_q8_rows_blocks_per_iteration(mode, blocks, k):
