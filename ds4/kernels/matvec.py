@@ -974,7 +974,9 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # scales into registers and stores them to shared memory itself, and that store waits on the load (Nsight
 # Compute, session 28: q8_rows at B = 32 latency-bound, the STS.U16 of loaded data the top stall line, 11.5 %
 # of the samples). f32 scales go through cp.async like the quants and x; block-major they are also one
-# contiguous run of BN a block instead of BN strided sectors.
+# contiguous run of BN a block instead of BN strided sectors. sm_90 (bench_q8.py --compile-only, BB 32, BN 64,
+# 2 warps): the k loop's STS 1 -> 0, but 127 -> 166 / 168 registers (6 programs an SM instead of 8). Off
+# until timed (session 29 had no device): env DS4_Q8_ROWS_SCALES=f32 / f32t; batch_check "rows f32t".
 Q8_ROWS_SCALES = ("f16", "f32", "f32t")
 _SCALE_KEYS = {"f32": "d32", "f32t": "d32t"}
 SCALE_COPY_ROW_DIM = {"d32": 0, "d32t": 1}  # the matrix-row axis of each copy (merging / slicing rows)
