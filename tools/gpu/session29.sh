@@ -36,7 +36,7 @@ if [ "$1" = d ]; then
 fi
 if [ "$1" = e ]; then
   TAIL=3 run tests 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_quant.py \
-    tests/test_kernels_moe_grouped.py -k "scale_copies or q8_rows_f32 or small_rows or flash"
+    tests/test_kernels_moe_grouped.py -k "scale_cop or q8_rows_f32 or small_rows or flash"
   TAIL=14 run check 230 env DS4_MOE_GROUPED_BN_PAIR_DN_SMALL=64 DS4_Q8_ROWS_SCALES=f32t \
     python3 tools/gpu/batch_check.py --skip-time --check-batches 1,3,8,16
   TAIL=8 run steps "$(left)" python3 tools/gpu/batch_check.py --skip-check --layers 30 \
