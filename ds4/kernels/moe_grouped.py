@@ -483,39 +483,13 @@ def _mma_step(
                 xw = tl.load(x + (4 * jj + 2 * j2 + h) * 4)
                 xl, xh = xw.to(tl.int32), (xw >> 32).to(tl.int32)
                 ga, gb = _mma_sub(
-                    gqa[j2],
-                    gqb[j2],
-                    gsa[j2],
-                    gsb[j2],
-                    h,
-                    tid,
-                    xl,
-                    xh,
-                    ga,
-                    gb,
-                    tab64,
-                    ksm,
-                    PTX,
-                    LDS,
+                    gqa[j2], gqb[j2], gsa[j2], gsb[j2], h, tid, xl, xh, ga, gb, tab64, ksm, PTX, LDS,
                     SIGN_MATH,
-                )
+                )  # fmt: skip
                 ua, ub = _mma_sub(
-                    uqa[j2],
-                    uqb[j2],
-                    usa[j2],
-                    usb[j2],
-                    h,
-                    tid,
-                    xl,
-                    xh,
-                    ua,
-                    ub,
-                    tab64,
-                    ksm,
-                    PTX,
-                    LDS,
+                    uqa[j2], uqb[j2], usa[j2], usb[j2], h, tid, xl, xh, ua, ub, tab64, ksm, PTX, LDS,
                     SIGN_MATH,
-                )
+                )  # fmt: skip
     return ga, gb, ua, ub
 
 
