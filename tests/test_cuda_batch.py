@@ -516,8 +516,8 @@ def test_prefetch_sites_request_each_layers_weights(tiny_model, monkeypatch):
 def test_rows_scale_copies_packed_at_load_and_merged(monkeypatch, scales):
     """With q8_rows switched to an f32 scale copy (matvec.Q8RowsConfig.scales), the model packs every Q8_0
     matrix's copy at load, so the copies are in weight_bytes (exactly twice the f16 scales' bytes) and no
-    graph capture allocates them; the merged matrices (q_a + kv, shared gate +
-    up) hold their parts' copies, and each part's copy is its own rows of the merged one."""
+    graph capture allocates them; the merged matrices (q_a + kv, shared gate + up) hold their parts'
+    copies, and each part's copy is its own rows of the merged one."""
     from ds4.kernels import matvec
 
     pytest.importorskip("gguf", reason="building the tiny model file needs gguf (absent on the GPU machine)")
