@@ -496,13 +496,13 @@ def compile_only() -> int:
             consts = {"QT": 8, "BB": bb, "BN": bn, "TK": tk, "SW": tk, "USE_DOT": dot, "FIXUP": fix}
             runs.append((f"qmv tiles BB{bb} BN{bn}{' dot' * dot}", mv._qmv_kernel, consts, 4, xt, "*i8", 0))
     rows = mv.Q8_ROWS
-    row_builds = [(m, bb, 1, rows.bn, rows.warps) for m in mv.Q8_ROWS_MODES for bb in (16, 32, 64)]
-    row_builds += [("tf32x2", 32, 4, rows.bn, rows.warps), ("int8", 32, 4, rows.bn, rows.warps)]
-    row_builds += [("tf32x2", bb, 1, bn, w) for bb in (16, 32, 64) for bn, w in ((64, 2), (32, 2), (32, 1))]
-    row_builds = [(*b, "f16") for b in row_builds]
-    row_builds += [("tf32x2", 32, 1, bn, rows.warps, sc) for bn in (64, 128) for sc in ("f32", "f32t")]
-    row_builds += [("tf32x2", 32, 1, 128, rows.warps, "f16")]
-    row_builds = [(*b, 0) for b in row_builds]
+    # (mode, BB, blocks an iteration, BN, warps) at the f16 scales, no register cap; then the scale copies
+    tiles = [(m, bb, 1, rows.bn, rows.warps) for m in mv.Q8_ROWS_MODES for bb in (16, 32, 64)]
+    tiles += [("tf32x2", 32, 4, rows.bn, rows.warps), ("int8", 32, 4, rows.bn, rows.warps)]
+    tiles += [("tf32x2", bb, 1, bn, w) for bb in (16, 32, 64) for bn, w in ((64, 2), (32, 2), (32, 1))]
+    tiles += [("tf32x2", 32, 1, 128, rows.warps)]
+    row_builds = [(*t, "f16", 0) for t in tiles]
+    row_builds += [("tf32x2", 32, 1, bn, rows.warps, sc, 0) for bn in (64, 128) for sc in ("f32", "f32t")]
     row_builds += [("tf32x2", 32, 1, 64, rows.warps, "f32t", cap) for cap in (128, 144)]
     for mode, bb, nb, bn, warps, scales, cap in row_builds:
         consts = {"BB": bb, "BN": bn, "STAGES": rows.stages, "FIXUP": True, "NB": nb}
