@@ -525,8 +525,8 @@ def test_rows_scale_copies_packed_at_load_and_merged(monkeypatch, scales):
 
     path = ensure_tiny_model()
     plain = _model(path, kernels=True)
-    for tile in ("Q8_ROWS", "Q8_ROWS_NARROW", "Q8_ROWS_WIDE"):
-        monkeypatch.setattr(matvec, tile, replace(getattr(matvec, tile), scales=scales))
+    for tile, cfg in matvec.rows_tiles().items():
+        monkeypatch.setattr(matvec, tile, replace(cfg, scales=scales))
     m = _model(path, kernels=True)
     key = {"f32": "d32", "f32t": "d32t"}[scales]
     q8 = [q.packed for q in _qlinears(m) if q.packed.qtype.name == "Q8_0"]

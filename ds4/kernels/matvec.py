@@ -993,10 +993,18 @@ def rows_scales_pack(w: PackedWeight, scales: str) -> None:
     w.data[key] = d.t().contiguous() if scales == "f32t" else d
 
 
+ROWS_TILE_NAMES = ("Q8_ROWS", "Q8_ROWS_NARROW", "Q8_ROWS_WIDE")  # the q8_rows tiles rows_config picks from
+
+
+def rows_tiles() -> dict[str, Q8RowsConfig]:
+    """The q8_rows tiles in force by name (those set: the narrow and wide ones may be None)."""
+    tiles = {name: globals()[name] for name in ROWS_TILE_NAMES}
+    return {name: t for name, t in tiles.items() if t is not None}
+
+
 def rows_scales_in_use() -> list[str]:
     """The scale copies the q8_rows tiles in force read (none at the f16 default)."""
-    tiles = (Q8_ROWS, Q8_ROWS_NARROW, Q8_ROWS_WIDE)
-    return sorted({t.scales for t in tiles if t is not None and t.scales != "f16"})
+    return sorted({t.scales for t in rows_tiles().values() if t.scales != "f16"})
 
 
 def _rows_scales(w: PackedWeight, scales: str) -> tuple[torch.Tensor, int, int]:
@@ -1505,6 +1513,7 @@ __all__ = [
     "q8_rows",
     "q8_rows_plan",
     "rows_config",
+    "rows_tiles",
     "qmatvec",
     "qmatvec_grouped",
     "qmatvec_plan",

@@ -127,9 +127,7 @@ def check(batches: list[str], steps: int) -> bool:
 
 def _rows_int8(matvec) -> dict:
     """q8_rows in mode int8 at each of its tiles (the narrow / wide ones are set apart from Q8_ROWS)."""
-    names = ("Q8_ROWS", "Q8_ROWS_NARROW", "Q8_ROWS_WIDE")
-    tiles = {k: getattr(matvec, k) for k in names}
-    return {(matvec, k): replace(cfg, mode="int8") for k, cfg in tiles.items() if cfg is not None}
+    return {(matvec, k): replace(cfg, mode="int8") for k, cfg in matvec.rows_tiles().items()}
 
 
 def _mv1_int8(matvec):
@@ -138,8 +136,7 @@ def _mv1_int8(matvec):
 
 def _rows_scales(matvec, scales: str) -> dict:
     """Every q8_rows tile (narrow, default, wide) reading the block scales' f32 copy `scales`."""
-    tiles = ("Q8_ROWS", "Q8_ROWS_NARROW", "Q8_ROWS_WIDE")
-    return {(matvec, t): replace(getattr(matvec, t), scales=scales) for t in tiles if getattr(matvec, t)}
+    return {(matvec, k): replace(cfg, scales=scales) for k, cfg in matvec.rows_tiles().items()}
 
 
 def _variants() -> dict[str, dict]:
