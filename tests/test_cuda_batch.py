@@ -524,8 +524,12 @@ def test_rows_scale_copies_packed_at_load_and_merged(monkeypatch, scales):
     from ds4.tools.make_model import ensure_tiny_model
 
     path = ensure_tiny_model()
+    tiles = matvec.rows_tiles()
+    for tile, cfg in tiles.items():  # the packed f16 scales only: no copy
+        monkeypatch.setattr(matvec, tile, replace(cfg, scales="f16"))
     plain = _model(path, kernels=True)
-    for tile, cfg in matvec.rows_tiles().items():
+    assert not any(k.startswith("d32") for q in _qlinears(plain) for k in q.packed.data)
+    for tile, cfg in tiles.items():
         monkeypatch.setattr(matvec, tile, replace(cfg, scales=scales))
     m = _model(path, kernels=True)
     key = {"f32": "d32", "f32t": "d32t"}[scales]

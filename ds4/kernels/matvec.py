@@ -975,8 +975,11 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # Compute, session 28: q8_rows at B = 32 latency-bound, the STS.U16 of loaded data the top stall line, 11.5 %
 # of the samples). f32 scales go through cp.async like the quants and x; block-major they are also one
 # contiguous run of BN a block instead of BN strided sectors. sm_90 (bench_q8.py --compile-only, BB 32, BN 64,
-# 2 warps): the k loop's STS 1 -> 0, but 127 -> 166 / 168 registers (6 programs an SM instead of 8). Off
-# until timed (session 29 had no device): env DS4_Q8_ROWS_SCALES=f32 / f32t; batch_check "rows f32t".
+# 2 warps): the k loop's STS 1 -> 0, but 127 -> 166 / 168 registers (6 programs an SM instead of 8). H100
+# (session 30): per B = 32 step of Q8_0 rows (bench_q8.py --rows) f32t 8.03 ms, f32 8.41, f16 8.59; whole
+# 30-layer steps at 8k (batch_check.py "rows f32t", 3 rounds) x1.018 / x1.024 / x1.021 at B = 32 / 24 / 64
+# (f32: x1.004-1.008); the batched-vs-alone check with it on passes. So f32t is the default (about 0.8 GB
+# more for the whole model's copies); env DS4_Q8_ROWS_SCALES=f16 reads the packed scales again.
 Q8_ROWS_SCALES = ("f16", "f32", "f32t")
 _SCALE_KEYS = {"f32": "d32", "f32t": "d32t"}
 SCALE_COPY_ROW_DIM = {"d32": 0, "d32t": 1}  # the matrix-row axis of each copy (merging / slicing rows)
@@ -1057,7 +1060,7 @@ Q8_ROWS = Q8RowsConfig(
     blocks=int(os.environ.get("DS4_Q8_ROWS_BLOCKS", "1")),
     warps=int(os.environ.get("DS4_Q8_ROWS_WARPS", "2")),
     bn=int(os.environ.get("DS4_Q8_ROWS_BN", "64")),
-    scales=os.environ.get("DS4_Q8_ROWS_SCALES", "f16"),
+    scales=os.environ.get("DS4_Q8_ROWS_SCALES", "f32t"),
 )
 Q8_ROWS_WIDE_TILE = {"bn": 128, "warps": 8, "min_blocks": 16}  # tools set Q8_ROWS_WIDE from it
 _WIDE = os.environ.get("DS4_Q8_ROWS_WIDE", "1") == "1"

@@ -895,7 +895,9 @@ class GroupedConfig:
     bn_pair_dn: int = 64  # pair_down: output rows per program of the pair kernel (moe.DOWN's is for B = 1)
     # pair_down: its rows per program below SMALL_ROWS rows of x (0: bn_pair_dn). Session 28 (H100, 30-layer
     # steps with the grouped experts from 2 rows): 64 there x1.010 / x1.014 / x1.012 at B = 2 / 4 / 8 over
-    # 128; off in CONFIG until the batched-vs-alone check has run with it (the device time ran out)
+    # 128. Session 30's batched-vs-alone check with it (and q8_rows's f32t scales) on, B = 1 / 3 / 8 / 16:
+    # 0 / 4.39e-4 / 1.83e-2 (one near tie) / 1.84e-2 of the logit std, all ok: 64 in CONFIG (env
+    # DS4_MOE_GROUPED_BN_PAIR_DN_SMALL=0 gives 128 back)
     bn_pair_dn_small: int = 0
     smem: int = 0  # gate/up, prmt: the tables looked up by tl.gather (shared memory, _prmt_smem): 1 two
     # lookups per group, 2 one joined lookup in a [512] table (half the table stores and barriers)
@@ -1033,7 +1035,7 @@ CONFIG = GroupedConfig(
     pair_down=os.environ.get("DS4_MOE_GROUPED_PAIR_DOWN", "1") == "1",
     sorted_down=os.environ.get("DS4_MOE_GROUPED_SORTED_DOWN", "1") == "1",
     bn_pair_dn=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN", "128")),
-    bn_pair_dn_small=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN_SMALL", "0")),  # off: see the field
+    bn_pair_dn_small=int(os.environ.get("DS4_MOE_GROUPED_BN_PAIR_DN_SMALL", "64")),  # see the field
     grid16=os.environ.get("DS4_MOE_GROUPED_GRID16", "0") == "1",
     prmt=_PRMT,
     chain=os.environ.get("DS4_MOE_GROUPED_CHAIN", "0") == "1",
