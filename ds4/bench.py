@@ -259,7 +259,10 @@ def _distributed(model):
 
 
 def decode_bytes_per_token(model) -> int:
-    """Weight bytes one decode step reads: matrices as stored, k/E of the routed experts, no embeddings."""
+    """Weight bytes one decode step reads: matrices as stored, k/E of the routed experts, no embeddings, and
+    not the block-scale copies only the batched kernels read."""
+    from ds4.kernels.packing import SCALE_COPY_ROW_DIM
+
     cfg = model.cfg
     frac = cfg.n_expert_used / cfg.n_expert
 
@@ -275,7 +278,7 @@ def decode_bytes_per_token(model) -> int:
         if isinstance(data, torch.Tensor):  # Packed expert stack
             return size(data)
         if isinstance(data, dict):  # ds4.kernels PackedWeight
-            return sum(size(v) for v in data.values())
+            return sum(size(v) for k, v in data.items() if k not in SCALE_COPY_ROW_DIM)
         if depth < 4 and hasattr(obj, "__dict__"):
             total = 0.0
             for name, v in vars(obj).items():

@@ -17,7 +17,7 @@ import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import intq, matmul, matvec, ref
-from ds4.kernels.packing import PackedWeight, pack, unpack
+from ds4.kernels.packing import SCALE_COPY_ROW_DIM, PackedWeight, pack, unpack
 from ds4.quant import GGMLType, dequantize, random_blocks
 
 QUANT = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS]
@@ -369,7 +369,7 @@ def test_q8_rows_scale_copy_of_a_row_slice(scales):
     x = torch.randn(12, 256, generator=generator(66), device=DEVICE)
     want = matvec.q8_rows(x, part, 64, matvec.Q8RowsConfig())
     assert torch.equal(matvec.q8_rows(x, part, 64, matvec.Q8RowsConfig(scales=scales)), want)
-    assert dims == matvec.SCALE_COPY_ROW_DIM
+    assert dims == SCALE_COPY_ROW_DIM
 
 
 @pytest.mark.parametrize("mode", ["tf32x2", "int8"])

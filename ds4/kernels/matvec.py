@@ -981,8 +981,7 @@ Q8_ROWS_MODES = ("tf32x2", "bf16x2", "bf16x3", "int8")
 # (f32: x1.004-1.008); the batched-vs-alone check with it on passes. So f32t is the default (about 0.8 GB
 # more for the whole model's copies); env DS4_Q8_ROWS_SCALES=f16 reads the packed scales again.
 Q8_ROWS_SCALES = ("f16", "f32", "f32t")
-_SCALE_KEYS = {"f32": "d32", "f32t": "d32t"}
-SCALE_COPY_ROW_DIM = {"d32": 0, "d32t": 1}  # the matrix-row axis of each copy (merging / slicing rows)
+_SCALE_KEYS = {"f32": "d32", "f32t": "d32t"}  # the data key of each copy (packing.SCALE_COPY_ROW_DIM)
 
 
 def rows_scales_pack(w: PackedWeight, scales: str) -> None:
@@ -1006,7 +1005,7 @@ def rows_tiles() -> dict[str, Q8RowsConfig]:
 
 
 def rows_scales_in_use() -> list[str]:
-    """The scale copies the q8_rows tiles in force read (none at the f16 default)."""
+    """The scale copies the q8_rows tiles in force read (none where every tile reads the f16 scales)."""
     return sorted({t.scales for t in rows_tiles().values() if t.scales != "f16"})
 
 

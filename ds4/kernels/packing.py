@@ -45,6 +45,11 @@ PLAIN_DTYPES: dict[GGMLType, torch.dtype] = {
 QUANT_TYPES = (GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS)
 SUPPORTED = (*PLAIN_DTYPES, *QUANT_TYPES)
 
+# Second copies of a Q8_0 matrix's block scales kept in its data beside "d" for the batched kernel q8_rows
+# (matvec.rows_scales_pack: "d32" f32 [R, K/32], "d32t" f32 block-major [K/32, R]), by key: the axis of the
+# matrix's rows in each (merging and slicing rows). A batch-1 decode step never reads them.
+SCALE_COPY_ROW_DIM = {"d32": 0, "d32t": 1}
+
 # Blocks repacked per step: bounds temporaries for multi-GB expert stacks.
 _CHUNK_BLOCKS = 1 << 20
 

@@ -324,7 +324,7 @@ def _merge_packed(obj, *names: str):
     ps = [w.packed for w in ws]
     if len({(p.qtype, p.K, tuple(p.data)) for p in ps}) != 1:
         return None
-    from ds4.kernels.matvec import SCALE_COPY_ROW_DIM  # q8_rows's block-major scale copy: rows on dim 1
+    from ds4.kernels.packing import SCALE_COPY_ROW_DIM  # q8_rows's block-major scale copy: rows on dim 1
 
     dim = {k: SCALE_COPY_ROW_DIM.get(k, 0) for k in ps[0].data}
     merged = type(ps[0])(ps[0].qtype, (sum(p.N for p in ps), ps[0].K), {
