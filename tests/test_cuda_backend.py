@@ -314,13 +314,18 @@ def test_cuda_flash_width_synthetic_matches_cpu():
     check_close(torch.stack(got).numpy(), torch.stack(want).numpy(), "flash-width 4 layers")
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["plain", "kernel-layout"])
-def test_device_path_on_cpu_matches_reference_on_tiny_q2(monkeypatch, fast: bool):
+@pytest.mark.parametrize(("fast", "quad"), [(False, False), (True, False), (True, True)],
+                         ids=["plain", "kernel-layout", "quad-layout"])  # fmt: skip
+def test_device_path_on_cpu_matches_reference_on_tiny_q2(monkeypatch, fast: bool, quad: bool):
     """The tiny synthetic q2 model (IQ2_XXS/Q2_K experts, indexer selecting top-8 of 75 rows): device code
     on the CPU vs the CPU reference, with the FP8/FP4 round trips off on both sides (round_trips_off says
     why; the official-tiny cases above cover the device path with them on). Then only float32 summation
     order differs, so the logits agree to ~1e-5 of their std on any CPU. fast: the GPU's weight layout
-    (packed kernels' twins, merged q_a+kv / shared gate+up, float16 side matrices read by hmatvec)."""
+    (packed kernels' twins, merged q_a+kv / shared gate+up, float16 side matrices read by hmatvec); quad:
+    with the routed gate / up stacks in the quad layout (moe_grouped.QUAD_STACKS)."""
+    from ds4.kernels import moe_grouped
+
+    monkeypatch.setattr(moe_grouped, "QUAD_STACKS", quad)
     from ds4.config import TINY
     from ds4.layout import tensor_specs
     from ds4.model import DS4Model
@@ -338,6 +343,10 @@ def test_device_path_on_cpu_matches_reference_on_tiny_q2(monkeypatch, fast: bool
     dev = CudaModel(TINY, lambda n: raw[n], has=raw.__contains__, device="cpu", **kw)
     if fast:  # the layout under test is really there
         assert all(blk.side is not None and blk.side.xn is not None for blk in dev.layers if blk.shape.ratio)
+        stacks = [
+            s for blk in dev.layers for s in (blk.w.moe.gate_exps, blk.w.moe.up_exps, blk.w.moe.down_exps)
+        ]
+        assert [s.quad for s in stacks] == [quad, quad, False] * len(dev.layers)
     prompt = [(i * 7919) % TINY.n_vocab for i in range(300)]
     rs, ds = ref.new_state(320), dev.new_state(320)
     counts = []  # round-trip calls after: reference, device prefill, device decode

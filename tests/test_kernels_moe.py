@@ -19,7 +19,7 @@ from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import matmul, matvec, moe, ref
 from ds4.kernels.moe import _dot4, _iq2_sign_bits, _iq2_sign_masks, _negate_bytes
-from ds4.kernels.packing import pack
+from ds4.kernels.packing import pack, to_quad
 from ds4.model.moe import swiglu
 from ds4.quant import GGMLType, dequantize, random_blocks
 from ds4.quant.tables import IQ2XXS_GRID
@@ -636,6 +636,30 @@ def test_moe_decode_variants_change_no_bit(sign_math, variant):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="gather excludes"):
         moe.MoeConfig(int8=True, gather=True, **_DECODE_VARIANTS[variant])
+
+
+@pytest.mark.parametrize("sign_math", [False, True], ids=["masks", "math"])
+def test_quad_layout_pair_kernels(sign_math):
+    """The batch-1 gate/up kernels on stacks in the quad layout (packing.to_quad, moe_grouped.QUAD_STACKS):
+    the int8 kernel reads it by (group, sub-block) (moe._iq2_q8k_qp) and sums its lanes in the split
+    layout's order, so under the interpreter it gives the split layout's bits (on the GPU the compiler may
+    order the lanes' sums otherwise: within 1e-6); the f32 path (dot_rows) alike, and the dedicated f32
+    kernel (MoeConfig.fast) hands quad stacks to dot_rows (at F32_TOL). Mixed layouts and the kernel forms
+    without a quad reader are refused."""
+    wg, wu, _, ids, x, _, _ = _int8_case(16, 512, 64)
+    qg, qu = to_quad(wg), to_quad(wu)
+    cfg = moe.MoeConfig(16, 1, 4, int8=True, sign_math=sign_math, prmt=True)
+    for c in (cfg, moe.MoeConfig(bn=8, splits=1)):
+        want = moe.moe_gate_up(x, wg, wu, ids, 1.0, c)
+        got = moe.moe_gate_up(x, qg, qu, ids, 1.0, c)
+        assert rel_err(got, want) < 1e-6 if CUDA else torch.equal(got, want)
+    fast = moe.MoeConfig(bn=8, splits=1, fast=True)
+    want = ref.moe_gate_up(x, wg, wu, ids, 1.0)
+    assert rel_err(moe.moe_gate_up(x, qg, qu, ids, 1.0, fast), want) < F32_TOL
+    with pytest.raises(ValueError, match="share a layout"):
+        moe.moe_gate_up(x, qg, wu, ids, 1.0, cfg)
+    with pytest.raises(ValueError, match="no prefetch, gather or gsum form"):
+        moe.moe_gate_up(x, qg, qu, ids, 1.0, replace(cfg, prefetch=True))
 
 
 @pytest.mark.cuda

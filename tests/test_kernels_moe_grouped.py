@@ -20,7 +20,7 @@ import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import moe, moe_grouped, ref
-from ds4.kernels.packing import iq2_sign_nibbles, pack
+from ds4.kernels.packing import iq2_sign_nibbles, pack, to_quad
 from ds4.quant import GGMLType, random_blocks
 
 F32_TOL = 1e-5
@@ -424,11 +424,16 @@ def test_mma_quad_layout_changes_no_bit(warps):
     qp = replace(cfg, quad_pack=True)
     with pytest.raises(ValueError, match="quad_pack needs the stacks packed"):
         moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, qp)
+    qg, qu = to_quad(wg), to_quad(wu)  # the quad layout alone (QUAD_STACKS): read so whatever cfg says
+    if warps == 2:  # (once: the interpreter's runs of this kernel are this suite's slowest)
+        assert torch.equal(moe_grouped.moe_gate_up_grouped(x, qg, qu, ids, 10.0, cfg), want)
     moe_grouped.quad_pack_stack(wg)
     moe_grouped.quad_pack_stack(wu)
     assert torch.equal(moe_grouped.moe_gate_up_grouped(x, wg, wu, ids, 10.0, qp), want)
     with pytest.raises(ValueError, match="quad_pack needs mma"):
         moe_grouped.GroupedConfig(mma=True, prmt=True, quad_pack=True)
+    with pytest.raises(ValueError, match="read by the mma kernel only"):
+        moe_grouped.moe_gate_up_grouped(x, qg, qu, ids, 10.0, replace(cfg, mma=False, mma_ld128=False))
 
 
 def test_quad_pack_words():

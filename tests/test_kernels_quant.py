@@ -17,7 +17,7 @@ import triton.language as tl
 from _kernel_env import CUDA, DEVICE, generator, rel_err
 
 from ds4.kernels import intq, matmul, matvec, ref
-from ds4.kernels.packing import SCALE_COPY_ROW_DIM, PackedWeight, pack, unpack
+from ds4.kernels.packing import SCALE_COPY_ROW_DIM, PackedWeight, pack, quad_unpack, to_quad, unpack
 from ds4.quant import GGMLType, dequantize, random_blocks
 
 QUANT = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS]
@@ -71,6 +71,37 @@ def test_pack_errors():
         pack(raw, GGMLType.Q4_K, (4, 100))
     with pytest.raises(ValueError, match="unsupported type I32"):
         pack(raw, GGMLType.I32, (68,))
+
+
+def test_quad_layout_holds_the_same_bytes():
+    """packing.to_quad (the routed gate / up stacks' layout with moe_grouped.QUAD_STACKS): qp replaces qs +
+    sg with no byte more, really reordered, quad_unpack gives qs and sg back, unpack reads it bit for bit;
+    only IQ2_XXS has it."""
+    w = packed(GGMLType.IQ2_XXS, (3, 8, 512), seed=21)
+    q = to_quad(w)
+    assert q.quad and not w.quad and set(q.data) == {"qp", "d"} and q.nbytes() == w.nbytes()
+    per_block = torch.cat([w.data["qs"].view(24, 2, 32), w.data["sg"].view(torch.uint8).view(24, 2, 32)], 2)
+    assert not torch.equal(q.data["qp"].view(torch.uint8).view(24, 2, 64), per_block)
+    qs, sg = quad_unpack(q.data["qp"])
+    assert torch.equal(qs, w.data["qs"]) and torch.equal(sg, w.data["sg"])
+    assert torch.equal(unpack(q).view(torch.int32), unpack(w).view(torch.int32))
+    assert to_quad(q) is q
+    with pytest.raises(ValueError, match="quad layout is IQ2_XXS's"):
+        to_quad(packed(GGMLType.Q2_K, (2, 8, 256), seed=22))
+
+
+def test_quad_layout_kernels_change_no_bit():
+    """The any-format kernels on a quad stack (QT 116: matvec.iq2_group_words): dot_rows' matvec and the
+    prefill's expert dequantization give the split layout's bits."""
+    w = packed(GGMLType.IQ2_XXS, (3, 16, 512), seed=23)
+    q = to_quad(w)
+    ids = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    want = matmul.dequant_experts(w, ids)
+    assert torch.equal(matmul.dequant_experts(q, ids), want)
+    assert torch.equal(want.float(), unpack(w)[ids.long()].bfloat16().float())
+    flat, qflat = w.view(48, 512), q.view(48, 512)
+    x = torch.randn(3, 512, generator=generator(23), device=DEVICE)
+    assert torch.equal(matvec.qmatvec(x, qflat), matvec.qmatvec(x, flat))
 
 
 # ---------------------------------------------------------------------------------------------------------

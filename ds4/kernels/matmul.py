@@ -41,7 +41,9 @@ from .matvec import (
     check_weight,
     dot_rows,
     iq2_group_values,
+    iq2_group_words,
     prep_x,
+    qtype_code,
     sub_width,
     tile_k,
     use_triton,
@@ -74,7 +76,7 @@ def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), 1)
     _qmv_kernel[grid](
         x, *weight_args(w), out, out, out, M, N, K, x.stride(0), K // tk,  # (one split: no sum, no counters)
-        QT=int(w.qtype), BB=BM, BN=BN, TK=tk, SW=sub_width(w, tk), USE_DOT=True, FIXUP=False,
+        QT=qtype_code(w), BB=BM, BN=BN, TK=tk, SW=sub_width(w, tk), USE_DOT=True, FIXUP=False,
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out
@@ -262,7 +264,7 @@ def _moe_grouped_fused(x: torch.Tensor, w: PackedWeight, offsets: torch.Tensor) 
     grid = (triton.cdiv(N, BN), tile_e.numel())
     _grouped_kernel[grid](
         x, *weight_args(w), out, tile_e, tile_r0, offsets.to(torch.int32), N, K, x.stride(0),
-        BM=GROUPED_BM, QT=int(w.qtype), BN=BN, TK=tile_k(w), SW=sub_width(w, tile_k(w)),
+        BM=GROUPED_BM, QT=qtype_code(w), BN=BN, TK=tile_k(w), SW=sub_width(w, tile_k(w)),
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out
@@ -311,9 +313,8 @@ def _dequant_groups(w0, w1, w2, w3, wrow, gg, K, QT: tl.constexpr, W: tl.constex
     the same operations as packing.unpack, all products exact). gg [G]: group indices along the row."""
     j = tl.arange(0, W)
     r = wrow[:, None]
-    if QT == 16:  # IQ2_XXS: group = 8 values of one grid word; 4 groups per sub-block, 32 per block
-        idx = tl.load(w0 + r * (K // 8) + gg[None, :])  # [BR, G] grid indices
-        a1 = tl.load(w1 + r * (K // 32) + (gg // 4)[None, :])  # [BR, G] sign indices | scale << 28
+    if QT == 16 or QT == 116:  # IQ2_XXS (116: the quad layout): group = 8 values of one grid word; 4
+        idx, a1 = iq2_group_words(w0, w1, r, gg[None, :], K // 256, QT == 116)  # groups a sub-block
         d = tl.load(w2 + r * (K // 256) + (gg // 32)[None, :]).to(tl.float32)
         val = iq2_group_values(idx, a1, d, (gg % 4)[None, :], w3, j)
     elif QT == 10:  # Q2_K: group gl = 8h + 2t + s of a block: bytes 32h + 16s + j, shift 2t; scale byte gl
@@ -421,7 +422,7 @@ def dequant_experts(
     grid = (triton.cdiv(N, DEQ_ROWS), K // tk, n_sel)
     _dequant_kernel[grid](
         *weight_args(w), out, ids.to(torch.int32), offsets.to(torch.int32) if skip else ids, N, K,
-        out.stride(0), out.stride(1), QT=int(w.qtype), BR=DEQ_ROWS, G=tk // grp, W=grp, SKIP=skip,
+        out.stride(0), out.stride(1), QT=qtype_code(w), BR=DEQ_ROWS, G=tk // grp, W=grp, SKIP=skip,
         SOFT_RNE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=DEQ_WARPS,
     )  # fmt: skip
     return out

@@ -79,6 +79,27 @@ def _tf32_hi(x):
 
 
 @triton.jit
+def iq2_group_words(w0, w1, r, gg, nb, QP: tl.constexpr):
+    """(grid indices, sub-block words a1) [R, G] of groups gg [1, G] (8 elements each, numbered along the
+    row) of rows r [R, 1] (int64), for iq2_group_values. Split layout: w0 qs (u8), w1 sg (int32). QP (the
+    quad layout, packing.quad_pack): w0 / w1 the qp words as bytes / int32 halves, and a1 rebuilt with just
+    what iq2_group_values reads: group t's sign index at bit 7 t, the sub-block's scale in the top nibble."""
+    if QP:
+        blk = gg // 32  # super-block; sub-block s, group t of it
+        s = (gg // 4) % 8
+        t = gg % 4
+        h = r * (nb * 16) + blk * 16  # int32 halves: 16 a block, pair t's second word at 4 t + 2
+        idx = tl.load(w0 + 4 * h + 16 * t + s)
+        half = tl.load(w1 + h + 4 * t + 2 + s // 4)
+        top = tl.load(w1 + h + 4 * (s // 2) + 2 + s % 2) & -268435456  # the scale nibble, in place (bit 28)
+        a1 = (((half >> (7 * (s % 4))) & 127) << (7 * t)) | top
+    else:
+        idx = tl.load(w0 + r * (nb * 32) + gg)
+        a1 = tl.load(w1 + r * (nb * 8) + gg // 4)
+    return idx, a1
+
+
+@triton.jit
 def iq2_group_values(idx, a1, d, sub, w3, j):
     """IQ2_XXS groups of 8 values, f32 [R, G, 8] (exact: packing.unpack's operations): grid indices idx
     [R, G], sub-block words a1 [R, G] (4 x 7-bit sign indices | scale << 28), block scales d (broadcast to
@@ -117,7 +138,8 @@ def dot_rows(
 ):
     """[BB, BN] f32 = sum over k-tiles [kt_lo, kt_hi) of TK elements of x[xrow, k] * W[wrow, k].
 
-    w0..w3: the packed arrays (plain: w; Q8_0: qs, d; Q2_K/Q4_K: qs, sc, dm; IQ2_XXS: qs, sg, d, grid table).
+    w0..w3: the packed arrays (plain: w; Q8_0: qs, d; Q2_K/Q4_K: qs, sc, dm; IQ2_XXS: qs, sg, d, grid table;
+    QT 116, IQ2_XXS in the quad layout: qp as bytes, qp as int32, d, grid table: weight_args).
     wrow [BN] int64 weight rows (always valid: callers clamp), xrow [BB] int64 element offsets of x rows.
     SW: width of the dequantized sub-tiles (sub_width()).
     """
@@ -168,13 +190,12 @@ def dot_rows(
                 w = tl.reshape(dl[:, :, None] * q - ml[:, :, None], [BN, 128])
                 xcol = k0 + c[:, None] * 64 + 32 * h + j[None, :]
                 acc = _acc_tile(acc, w, x_ptr, xrow, xmask, tl.reshape(xcol, [128]), USE_DOT)
-        elif QT == 16:  # IQ2_XXS: group g of 8 elements (32 per block), k order; two halves of 16 groups
-            j = tl.arange(0, 8)  # (a [BN, 32, 8] tile at once spills registers in the tensor-core path)
-            d = tl.load(w2 + wrow * nb + kt).to(tl.float32)
+        elif QT == 16 or QT == 116:  # IQ2_XXS (116: the quad layout): group g of 8 elements (32 per block),
+            j = tl.arange(0, 8)  # k order; two halves of 16 groups (a [BN, 32, 8] tile at once spills
+            d = tl.load(w2 + wrow * nb + kt).to(tl.float32)  # registers in the tensor-core path)
             for h in tl.static_range(2):
-                g = h * 16 + tl.arange(0, 16)
-                idx = tl.load(w0 + wrow[:, None] * (nb * 32) + kt * 32 + g[None, :])  # [BN, 16] grid indices
-                a1 = tl.load(w1 + wrow[:, None] * (nb * 8) + kt * 8 + (g // 4)[None, :])  # [BN, 16] int32
+                g = h * 16 + tl.arange(0, 16)  # [BN, 16] grid indices, sub-block words:
+                idx, a1 = iq2_group_words(w0, w1, wrow[:, None], kt * 32 + g[None, :], nb, QT == 116)
                 vals = iq2_group_values(idx, a1, d[:, None], (g % 4)[None, :], w3, j)  # [BN, 16, 8]
                 w = tl.reshape(vals, [BN, 128])
                 acc = _acc_tile(acc, w, x_ptr, xrow, xmask, k0 + h * 128 + tl.arange(0, 128), USE_DOT)
@@ -202,6 +223,9 @@ def weight_args(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         return d["qs"], d["d"], d["qs"], d["qs"]
     if w.qtype in (GGMLType.Q2_K, GGMLType.Q4_K):
         return d["qs"], d["sc"], d["dm"], d["qs"]
+    if w.quad:  # the quad layout (qtype_code 116): its words as bytes and as int32 halves
+        qp = d["qp"]
+        return qp.view(torch.uint8), qp.view(torch.int32), d["d"], iq2xxs_grid_i64(qp.device)
     return d["qs"], d["sg"], d["d"], iq2xxs_grid_i64(d["qs"].device)
 
 
@@ -236,8 +260,14 @@ def check_weight(w: PackedWeight, ndim: int, what: str, device: torch.device) ->
         raise ValueError(f"{what}: weight is on {w.device} but activations are on {device}")
 
 
-def _qtype_code(w: PackedWeight) -> int:
-    return int(w.qtype)
+# The kernels' QT of an IQ2_XXS weight in the quad layout (packing.to_quad); every other weight's is its
+# GGMLType value (IQ2_XXS 16). The jit code spells it 116.
+QT_IQ2_QUAD = 116
+
+
+def qtype_code(w: PackedWeight) -> int:
+    """QT of w for the kernels that take any format (dot_rows and the dequantization)."""
+    return QT_IQ2_QUAD if w.quad else int(w.qtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -916,7 +946,7 @@ def _qmatvec_tiles(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     o = split_outputs(x.device, splits, p.grid[0] * p.grid[1], (B, N))  # partials [S, B, N]
     _qmv_kernel[p.grid](
         x, *weight_args(w), o.part, o.total, o.cnt, B, N, K, x.stride(0), p.per,
-        QT=_qtype_code(w), BB=p.bb, BN=p.bn, TK=p.tk, SW=sub_width(w, p.tk), USE_DOT=p.use_dot,
+        QT=qtype_code(w), BB=p.bb, BN=p.bn, TK=p.tk, SW=sub_width(w, p.tk), USE_DOT=p.use_dot,
         FIXUP=o.fixup, num_warps=4, launch_pdl=PDL,
     )  # fmt: skip
     return o.result()
@@ -1269,7 +1299,7 @@ def qmatvec_grouped(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         G,
         N,
         K,
-        QT=_qtype_code(w),
+        QT=qtype_code(w),
         BN=bn,
         TK=tile_k(w),
         SW=sub_width(w, tile_k(w)),

@@ -42,6 +42,7 @@ from .matvec import (
     check_weight,
     dot_rows,
     prep_x,
+    qtype_code,
     sub_width,
     tile_k,
     use_triton,
@@ -435,11 +436,17 @@ def _iq2_q8k_block(
     GATHER: tl.constexpr,
     LDS: tl.constexpr = False,
     GSUM: tl.constexpr = False,
+    QP: tl.constexpr = False,
 ):
     """[BN, 8, 4] f32 = (d_w d_x) (2 ls + 1) sum_8 g v per group 4 sb + l of IQ2_XXS super-block kt of rows
     wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
     x2lo, x2hi (TERMS 2; v = 254 q1 + q2) and scale dx of x. The caller accumulates these per lane and
-    reduces once after its k loop (in-loop reductions cost barriers). GSUM: [BN, 8, 1] (see _iq2_q8k_dot)."""
+    reduces once after its k loop (in-loop reductions cost barriers). GSUM: [BN, 8, 1] (see _iq2_q8k_dot).
+    QP: the weights in the quad layout (qs / sg: its words as bytes / int32 halves), everything [BN, 4, 8]
+    by (group, sub-block): _iq2_q8k_qp."""
+    if QP:
+        return _iq2_q8k_qp(qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A,
+                           SIGN_MATH, LDS)  # fmt: skip
     idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)
     return _iq2_q8k_dot(
         idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS,
@@ -831,21 +838,44 @@ def _iq2_q8k_dot(
 
 
 @triton.jit
+def _iq2_q8k_qp(
+    q8, q32, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS: tl.constexpr, DP4A: tl.constexpr,
+    SIGN_MATH: tl.constexpr, LDS: tl.constexpr,
+):  # fmt: skip
+    """_iq2_q8k_block's sums from the quad layout (packing.quad_pack), [BN, 4, 8] by (group t, sub-block s):
+    pair t's first word (8 contiguous grid bytes, one per sub-block) as q8 bytes 16 t .. 16 t + 7, its second
+    word's halves from q32 (sub-block s's sign index at bit 7 (s % 4) of half s // 4; sub-block s's scale in
+    the top nibble of pair s // 2's half s % 2). x words alike ([1, 4, 8]: the launcher's xg)."""
+    t = tl.arange(0, 4)[None, :, None]
+    s = tl.arange(0, 8)[None, None, :]
+    h = wrow[:, None, None] * (nb * 16) + kt * 16  # [BN, 1, 1] the block's first int32 half
+    idx = tl.load(q8 + 4 * h + 16 * t + s).to(tl.int32)  # [BN, 4, 8]
+    si = (tl.load(q32 + h + 4 * t + 2 + s // 4) >> (7 * (s % 4))) & 127  # [BN, 4, 8]
+    ls = (tl.load(q32 + h + 4 * (s // 2) + 2 + s % 2) >> 28) & 15  # [BN, 1, 8]
+    wlo, whi = _signed_words(tab64, ksm, idx, si, SIGN_MATH, DP4A, False, LDS)
+    dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
+    if TERMS == 2:
+        dot = _dot4(whi, x2hi, _dot4(wlo, x2lo, dot * 254, DP4A), DP4A)
+    d = tl.load(dd + wrow * nb + kt).to(tl.float32)
+    return (d * dx)[:, None, None] * (dot * (2 * ls + 1)).to(tl.float32)
+
+
+@triton.jit
 def _iq2_gate_up_step(
     acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r, ksm_r,
     TERMS: tl.constexpr, DP4A: tl.constexpr, SIGN_MATH: tl.constexpr, GATHER: tl.constexpr, LDS: tl.constexpr,
-    GSUM: tl.constexpr = False,
+    GSUM: tl.constexpr = False, QP: tl.constexpr = False,
 ):  # fmt: skip
     """One super-block step of _iq2_q8k_gate_up_kernel without PREFETCH: x's block kt, then gate's, then
     up's (the session-3 op order) -> the updated (acc_g, acc_u)."""
     xlo, xhi, x2lo, x2hi, dx = _x_load(xo, xplane, xd, kt, nb, xg, TERMS)
     acc_g += _iq2_q8k_block(
         gq, gs, gd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
-        SIGN_MATH, GATHER, LDS, GSUM,
+        SIGN_MATH, GATHER, LDS, GSUM, QP,
     )  # fmt: skip
     acc_u += _iq2_q8k_block(
         uq, us, ud, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A,
-        SIGN_MATH, GATHER, LDS, GSUM,
+        SIGN_MATH, GATHER, LDS, GSUM, QP,
     )  # fmt: skip
     return acc_g, acc_u
 
@@ -881,13 +911,16 @@ def _iq2_q8k_gate_up_kernel(
     LDS: tl.constexpr = False,
     STAGES: tl.constexpr = 0,
     GSUM: tl.constexpr = False,
+    QP: tl.constexpr = False,
 ):
     """Gate and up of one (row, slot) pair on the quantized input (xw [TERMS, B, K/8] int64: one group's 8
     int8 x per load, planes xplane = B K / 8 words apart; dx [B, K/256]); outputs as _gate_up_kernel.
     PREFETCH: software pipelining, block kt + 1's loads issued before block kt's math (whose layout
     conversions put barriers that the loads would otherwise wait behind); SIGN_MATH: sign masks computed,
     not gathered (_iq2_sign_bits); GATHER: table lookups by tl.gather from register copies (shared memory on
-    the GPU) instead of global (L1) gathers; LDS: the nibble tables from a static shared copy (_lds_fill)."""
+    the GPU) instead of global (L1) gathers; LDS: the nibble tables from a static shared copy (_lds_fill).
+    QP: the stacks in the quad layout (gq / uq their words as bytes, gs / us as int32; not with PREFETCH,
+    GATHER or GSUM), the per-lane sums [BN, 4, 8] by (group, sub-block)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     if LDS:
         _lds_fill(tab64, ksm, DP4A)
@@ -900,14 +933,19 @@ def _iq2_q8k_gate_up_kernel(
     nb = K // 256
     b = (pair // n_slots).to(tl.int64)
     xo = xw_ptr + b * (K // 8)
-    xg = tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, 8, 4] group's 8 x bytes
+    if QP:  # [1, 4, 8]: x word 4 s + t of group t of sub-block s
+        xg = tl.arange(0, 4)[None, :, None] + tl.arange(0, 8)[None, None, :] * 4
+    else:  # [1, 8, 4] group's 8 x bytes
+        xg = tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
     lo = pid_s * kt_per_split
     hi = tl.minimum(lo + kt_per_split, nb)
     G4: tl.constexpr = 1 if GSUM else 4  # per-lane partial sums [BN, 8, G4], reduced after the loop
-    acc_g = tl.zeros([BN, 8, G4], dtype=tl.float32)
+    A1: tl.constexpr = 4 if QP else 8  # (QP: [BN, 4, 8])
+    A2: tl.constexpr = 8 if QP else G4
+    acc_g = tl.zeros([BN, A1, A2], dtype=tl.float32)
     tab_r = tl.load(tab64 + tl.arange(0, 256)) if GATHER else 0
     ksm_r = tl.load(ksm + tl.arange(0, 128)) if GATHER else 0
-    acc_u = tl.zeros([BN, 8, G4], dtype=tl.float32)
+    acc_u = tl.zeros([BN, A1, A2], dtype=tl.float32)
     xd = dx_ptr + b * nb
     if PREFETCH:  # block lo's bytes now; each step loads block kt + 1 before it computes block kt
         kn = tl.minimum(lo, nb - 1)
@@ -933,16 +971,17 @@ def _iq2_q8k_gate_up_kernel(
         for kt in tl.range(lo, hi, num_stages=STAGES):
             acc_g, acc_u = _iq2_gate_up_step(
                 acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r,
-                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS, GSUM,
+                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS, GSUM, QP,
             )  # fmt: skip
     else:  # the session-3 op order (the default's SASS unchanged): x, then gate's block, then up's
         for kt in range(lo, hi):
             acc_g, acc_u = _iq2_gate_up_step(
                 acc_g, acc_u, gq, gs, gd, uq, us, ud, tab64, ksm, wrow, kt, nb, xo, xplane, xd, xg, tab_r,
-                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS, GSUM,
+                ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS, GSUM, QP,
             )  # fmt: skip
-    acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1) * 0.125
-    acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1) * 0.125
+    GA: tl.constexpr = 1 if QP else 2  # the groups' axis first, as the split layout sums (same bits)
+    acc_g = tl.sum(tl.sum(acc_g, axis=GA), axis=1) * 0.125
+    acc_u = tl.sum(tl.sum(acc_u, axis=GA), axis=1) * 0.125
     _store_gate_up(out_ptr, acc_g, acc_u, pair, pid_s, n, F, clamp, CLAMP, SPLIT)
 
 
@@ -1370,6 +1409,21 @@ def given_q8k(
     return q, d
 
 
+def _iq2_pair_args(wg: PackedWeight, wu: PackedWeight, cfg: MoeConfig) -> tuple[torch.Tensor, ...]:
+    """The int8 gate/up kernel's weight arguments (gq, gs, gd, uq, us, ud): split stacks' grid bytes and
+    sub-block words as bytes; quad stacks' words as bytes and as int32 halves (QP)."""
+    if wg.quad != wu.quad:
+        raise ValueError("moe_gate_up: gate and up must share a layout (both quad or both split)")
+    g, u = wg.data, wu.data
+    if wg.quad:
+        if cfg.prefetch or cfg.gather or cfg.gsum:
+            raise ValueError("moe_gate_up: the quad layout's kernel has no prefetch, gather or gsum form")
+        return (g["qp"].view(torch.uint8), g["qp"].view(torch.int32), g["d"],
+                u["qp"].view(torch.uint8), u["qp"].view(torch.int32), u["d"])  # fmt: skip
+    gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
+    return g["qs"], gsb, g["d"], u["qs"], usb, u["d"]
+
+
 def moe_gate_up(
     x: torch.Tensor,
     wg: PackedWeight,
@@ -1407,16 +1461,14 @@ def moe_gate_up(
     if int8:
         xq, dx = given_q8k(x, cfg.terms, xq)
         tab, ksm = iq2_tables(x.device, cfg.grid16, cfg.prmt)
-        g, u = wg.data, wu.data
-        gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
         _iq2_q8k_gate_up_kernel[grid](
-            xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"], tab, ksm, ids, part,
+            xq.view(torch.int64), dx, *_iq2_pair_args(wg, wu, cfg), tab, ksm, ids, part,
             k, F, K, B * K // 8, float(clamp), per, BN=cfg.bn, CLAMP=clamp > 0, SPLIT=splits > 1,
             TERMS=cfg.terms, DP4A=_dp4a(x, cfg), SIGN_MATH=cfg.sign_math, PREFETCH=cfg.prefetch,
-            GATHER=cfg.gather, LDS=cfg.lds, STAGES=cfg.stages, GSUM=cfg.gsum, num_warps=cfg.warps,
+            GATHER=cfg.gather, LDS=cfg.lds, STAGES=cfg.stages, GSUM=cfg.gsum, QP=wg.quad, num_warps=cfg.warps,
             launch_pdl=PDL,
         )  # fmt: skip
-    elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast:
+    elif wg.qtype == GGMLType.IQ2_XXS and cfg.fast and not wg.quad:
         g, u = wg.data, wu.data
         _iq2_gate_up_kernel[grid](
             x, g["qs"], g["sg"], g["d"], u["qs"], u["sg"], u["d"], _iq2_table32(x.device), ids, part, k, F, K,
@@ -1425,7 +1477,7 @@ def moe_gate_up(
     else:
         _gate_up_kernel[grid](
             x, *weight_args(wg), *weight_args(wu), ids, part, k, F, K, x.stride(0), float(clamp), per,
-            QT=int(wg.qtype), BN=cfg.bn, TK=tk, SW=sub_width(wg, tk), CLAMP=clamp > 0, SPLIT=splits > 1,
+            QT=qtype_code(wg), BN=cfg.bn, TK=tk, SW=sub_width(wg, tk), CLAMP=clamp > 0, SPLIT=splits > 1,
             num_warps=cfg.warps,
         )  # fmt: skip
     if splits > 1:
@@ -1485,7 +1537,7 @@ def moe_down(
     else:
         _down_kernel[grid](
             mid, *weight_args(wd), ids, rw, part, D, F, per,
-            QT=int(wd.qtype), BN=cfg.bn, TK=tk, SW=sub_width(wd, tk), num_warps=cfg.warps,
+            QT=qtype_code(wd), BN=cfg.bn, TK=tk, SW=sub_width(wd, tk), num_warps=cfg.warps,
         )  # fmt: skip
     if splits == 1 and k == 1:  # one term per row (the decode pairs as rows): nothing to sum, no launch
         return part.view(B, D)

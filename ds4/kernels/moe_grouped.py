@@ -50,7 +50,7 @@ import triton.language as tl
 
 from ds4.quant.types import GGMLType
 
-from . import ref
+from . import packing, ref
 from .dispatch import PDL, pdl_wait
 from .intq import dp4a_ok
 from .matvec import check_weight, prep_x, use_triton
@@ -936,9 +936,14 @@ class GroupedConfig:
     # tid of a quad loads the 16 bytes of its own group (8 grid bytes, 8 sign indices, 2 scales) instead of
     # the quad loading the row's 64 bytes four times, and its 8 x words 16 bytes at a time (sm_90 k loop: 24
     # loads a lane and super-block -> 8, plus 8 shuffles for the scales; 152 -> 133 registers). Needs 16-byte
-    # loads. Built in session 28, untimed (aimed at the L1/TEX unit that bounds the kernel); an experiment:
-    # the stacks keep both layouts
+    # loads. Built in session 28 (aimed at the L1/TEX unit that bounds the kernel). True: the split stacks'
+    # second copy in this layout (quad_pack_stack, for timing both); stacks in the quad layout alone
+    # (packing.to_quad, QUAD_STACKS) are read this way whatever this says.
     quad_pack: bool = False
+    # ptxas's register cap when the kernel reads the quad layout and maxnreg is 0: 128 gives 4 programs an
+    # SM instead of 3 (sm_90: 133 registers uncapped). H100, session 31 (bench_moe_grouped.py, per layer):
+    # B = 32 326.1 vs 353.9 us, B = 16 209.0 vs 223.8, B = 8 121.0 vs 129.6.
+    qp_maxnreg: int = 128
 
     @property
     def sign_mode(self) -> int:
@@ -1050,6 +1055,14 @@ CONFIG = GroupedConfig(
     mma_ld128=os.environ.get("DS4_MOE_GROUPED_MMA_LD128", "1") == "1",
 )
 
+# The routed gate / up stacks in the quad layout alone (packing.to_quad: qp replaces qs + sg, no byte more),
+# made by the model at load when on: the mma gate/up reads it (QP), and so do the batch-1 pair kernel
+# (moe._iq2_q8k_qp, the same bits) and the prefill's dequantization and dot_rows (QT 116); the dp4a gate/up
+# refuses it. H100, session 31, the stacks held in both layouts: per layer (bench_moe_grouped.py) B = 32
+# gate/up 353.9 us vs 377.1 (326.1 at 128 registers), B = 16 223.8 vs 238.1 (209.0); 20-layer steps at 8k
+# (batch_check.py "grouped qp", uncapped) B = 16 / 32 x1.069 / x1.080. Env DS4_MOE_QUAD=1: on.
+QUAD_STACKS = os.environ.get("DS4_MOE_QUAD", "0") == "1"
+
 # The dp4a gate/up as the engine ran it in sessions 25-27 (the tools' baseline for it: bench_moe_grouped,
 # batch_check's "grouped dp4a" and the variants built on it).
 DP4A_FIELDS = {"mma": False, "mma_ld128": False, "lds": True, "lds_rep": 16}
@@ -1157,26 +1170,8 @@ def _valid(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quad_pack(w: PackedWeight, rows: int = 1 << 16) -> torch.Tensor:
-    """[R, nb * 8] int64: an IQ2_XXS stack in the quad layout of GroupedConfig.quad_pack, per row and
-    super-block 4 pairs of words, pair t = lane t's group t of all 8 sub-blocks: word 0 byte s = its grid
-    byte in sub-block s; word 1 = sub-block s's 7-bit sign index at bit 7 (s % 4) of half s // 4, the scale
-    of sub-block 2 t (low half) / 2 t + 1 (high half) in the top nibble. The same 64 bytes a super-block as
-    qs + sg, reordered: written by hand, no library packs for this kernel's lanes. Chunks of `rows` rows."""
-    qs, sg = w.data["qs"], w.data["sg"]
-    R, nb = qs.shape[0], qs.shape[1] // 32
-    out = torch.empty(R, nb, 4, 2, dtype=torch.int64, device=qs.device)
-    t = torch.arange(4, device=qs.device)
-    sh = 7 * torch.arange(4, device=qs.device)
-    for r0 in range(0, R, rows):
-        q = qs[r0 : r0 + rows].reshape(-1, nb, 8, 4)  # [r, nb, s, t] grid bytes
-        out[r0 : r0 + rows, :, :, 0] = q.transpose(2, 3).contiguous().view(torch.int64)[..., 0]
-        a = sg[r0 : r0 + rows].reshape(-1, nb, 8).to(torch.int64)  # [r, nb, s] sub-block words
-        si = (a[:, :, None, :] >> (7 * t)[:, None]) & 127  # [r, nb, t, s]
-        sc = (a >> 28) & 15  # [r, nb, s]
-        lo = (si[..., :4] << sh).sum(-1) | (sc[:, :, 0::2] << 28)  # [r, nb, t]
-        hi = (si[..., 4:] << sh).sum(-1) | (sc[:, :, 1::2] << 28)
-        out[r0 : r0 + rows, :, :, 1] = lo | (hi << 32)
-    return out.view(R, nb * 8)
+    """[R, nb * 8] int64: a split IQ2_XXS stack's quad layout (packing.quad_pack, `rows` rows at a time)."""
+    return packing.quad_pack(w.data["qs"], w.data["sg"], rows)
 
 
 def quad_x(xq: torch.Tensor) -> torch.Tensor:
@@ -1188,9 +1183,10 @@ def quad_x(xq: torch.Tensor) -> torch.Tensor:
 
 
 def quad_pack_stack(w: PackedWeight) -> None:
-    """Adds w.data["qp"] = quad_pack(w) (GroupedConfig.quad_pack reads it; an experiment: the stack then
-    holds both layouts, twice its bytes). Outside any CUDA-graph capture."""
-    w.data["qp"] = quad_pack(w)
+    """Adds w.data["qp"] = quad_pack(w) beside the split layout (GroupedConfig.quad_pack reads it; for
+    timing the two layouts on one model: twice the stack's bytes). Outside any CUDA-graph capture."""
+    if not w.quad:
+        w.data["qp"] = quad_pack(w)
 
 
 def moe_gate_up_grouped(
@@ -1230,6 +1226,8 @@ def moe_gate_up_grouped(
     if cfg.mma:
         _gate_up_mma(xq, dx, g, u, runs, out, clamp, cfg)
         return out
+    if wg.quad or wu.quad:
+        raise ValueError("moe_gate_up_grouped: stacks in the quad layout are read by the mma kernel only")
     gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
     _gate_up_grouped_kernel[(triton.cdiv(F, cfg.bn_gu), B * k)](
         xq.view(torch.int64), dx, g["qs"], gsb, g["d"], u["qs"], usb, u["d"],
@@ -1249,19 +1247,22 @@ def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, 
     B, k, F = out.shape
     K = xq.shape[2]
     ptx = xq.is_cuda
-    gq, uq = g["qs"].view(torch.int64), u["qs"].view(torch.int64)
-    if cfg.quad_pack:
+    qp = cfg.quad_pack or "qs" not in g  # quad stacks (packing.to_quad) hold qp alone
+    if qp:
         if "qp" not in g or "qp" not in u:
             raise ValueError("moe_gate_up_grouped: quad_pack needs the stacks packed first (quad_pack_stack)")
-        gq, uq = g["qp"], u["qp"]
+        gq, uq, gs, us = g["qp"], u["qp"], g["qp"], u["qp"]  # (gs / us unused)
         xq = quad_x(xq)
+    else:
+        gq, uq = g["qs"].view(torch.int64), u["qs"].view(torch.int64)
+        gs, us = g["sg"].view(torch.int64), u["sg"].view(torch.int64)
+    cap = cfg.maxnreg or (cfg.qp_maxnreg if qp else 0)
     _gate_up_mma_kernel[(triton.cdiv(F, 16 * cfg.warps), B * k)](
-        xq.view(torch.int64), dx, gq, g["sg"].view(torch.int64), g["d"],
-        uq, u["sg"].view(torch.int64), u["d"], *iq2_tables(xq.device, False, True),
+        xq.view(torch.int64), dx, gq, gs, g["d"], uq, us, u["d"], *iq2_tables(xq.device, False, True),
         runs.order, runs.eid, runs.offsets, out, k, B * k, runs.n_experts, F, K, B * K // 8, float(clamp),
         WARPS=cfg.warps, CLAMP=clamp > 0, PTX=ptx, LDS=cfg.lds_rep if cfg.lds else 0,
-        LD128=cfg.mma_ld128 and ptx, SIGN_MATH=cfg.sign_mode, QP=cfg.quad_pack,
-        num_warps=cfg.warps, launch_pdl=PDL, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and ptx else {}),
+        LD128=cfg.mma_ld128 and ptx, SIGN_MATH=cfg.sign_mode, QP=qp,
+        num_warps=cfg.warps, launch_pdl=PDL, **({"maxnreg": cap} if cap and ptx else {}),
     )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ Q4_K      qs: u8 [R, nb*128]          the 128 quant bytes, unchanged (2 x 4-bit 
 IQ2_XXS   qs: u8 [R, nb*32]           4 grid indices per 32-element sub-block (the a0 bytes)
           sg: int32 [R, nb*8]         a1 per sub-block: 4 x 7-bit sign indices, 4-bit scale << 28
           d: f16 [R, nb]              block scale
+   (quad) qp: int64 [R, nb*8]         instead of qs + sg: the same 64 bytes a block reordered (quad_pack)
 
 Total bytes equal the ggml size (Q4_K: +4 bytes per 144 for the unpacked 6-bit scales), so decode stays at
 the format's bandwidth. Element order inside a block is ggml's (see the kernels for how quants map to k).
@@ -73,6 +74,18 @@ class PackedWeight:
     @property
     def rows(self) -> int:
         return math.prod(self.shape[:-1])
+
+    @property
+    def quad(self) -> bool:
+        """An IQ2_XXS stack in the quad layout (qp instead of qs + sg: quad_pack)."""
+        return "qp" in self.data and "qs" not in self.data
+
+    def split_data(self) -> dict[str, torch.Tensor]:
+        """data in the split layout (a quad stack's qs + sg rebuilt: quad_unpack; else data itself)."""
+        if not self.quad:
+            return self.data
+        qs, sg = quad_unpack(self.data["qp"])
+        return {"qs": qs, "sg": sg, **{k: v for k, v in self.data.items() if k != "qp"}}
 
     @property
     def device(self) -> torch.device:
@@ -170,6 +183,59 @@ def _split_blocks(qt: GGMLType, blk: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The quad layout of IQ2_XXS stacks, for the batched gate/up kernel's lanes (moe_grouped, GroupedConfig.
+# quad_pack: lane t of a quad owns group t of all 8 sub-blocks, and loads just its 16 bytes). Written by hand:
+# no library packs for this kernel's lanes. Per row and block, 4 pairs of int64 words, pair t:
+#   word 0: byte s = the grid index of group t of sub-block s;
+#   word 1: half h (bits 32 h ..) holds sub-block 4 h + i's 7-bit sign index of group t at bit 7 i (i < 4),
+#           and in its top nibble the 4-bit scale of sub-block 2 t + h.
+
+
+def quad_pack(qs: torch.Tensor, sg: torch.Tensor, rows: int = 1 << 16) -> torch.Tensor:
+    """Split qs u8 [R, nb*32] + sg int32 [R, nb*8] -> qp int64 [R, nb*8], the same bytes, `rows` at a time."""
+    R, nb = qs.shape[0], qs.shape[1] // 32
+    out = torch.empty(R, nb, 4, 2, dtype=torch.int64, device=qs.device)
+    t = torch.arange(4, device=qs.device)
+    sh = 7 * t
+    for r0 in range(0, R, rows):
+        q = qs[r0 : r0 + rows].reshape(-1, nb, 8, 4)  # [r, nb, s, t] grid bytes
+        out[r0 : r0 + rows, :, :, 0] = q.transpose(2, 3).contiguous().view(torch.int64)[..., 0]
+        a = sg[r0 : r0 + rows].reshape(-1, nb, 8).to(torch.int64)  # [r, nb, s] sub-block words
+        si = (a[:, :, None, :] >> sh[:, None]) & 127  # [r, nb, t, s]
+        sc = (a >> 28) & 15  # [r, nb, s]
+        lo = (si[..., :4] << sh).sum(-1) | (sc[:, :, 0::2] << 28)  # [r, nb, t]
+        hi = (si[..., 4:] << sh).sum(-1) | (sc[:, :, 1::2] << 28)
+        out[r0 : r0 + rows, :, :, 1] = lo | (hi << 32)
+    return out.view(R, nb * 8)
+
+
+def quad_unpack(qp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quad_pack's inverse: qp int64 [R, nb*8] -> (qs u8 [R, nb*32], sg int32 [R, nb*8])."""
+    R, nb = qp.shape[0], qp.shape[1] // 8
+    w = qp.view(R, nb, 4, 2)  # [r, nb, t, word]
+    qs = w[..., 0].contiguous().view(torch.uint8).reshape(R, nb, 4, 8).transpose(2, 3)  # [r, nb, s, t]
+    sh = 7 * torch.arange(4, device=qp.device)
+    halves = torch.stack([w[..., 1] & 0xFFFFFFFF, w[..., 1] >> 32], -1)  # [r, nb, t, h]
+    si = (halves[..., None] >> sh) & 127  # [r, nb, t, h, i]: sub-block 4 h + i
+    si = si.reshape(R, nb, 4, 8)  # [r, nb, t, s]
+    sc = (halves >> 28) & 15  # [r, nb, t, h]: sub-block 2 t + h
+    sg = (si << sh[:, None]).sum(2) | (sc.reshape(R, nb, 8) << 28)  # [r, nb, s]
+    sg = torch.where(sg >= 2**31, sg - 2**32, sg).to(torch.int32)
+    return qs.reshape(R, nb * 32).contiguous(), sg.reshape(R, nb * 8)
+
+
+def to_quad(w: PackedWeight) -> PackedWeight:
+    """An IQ2_XXS weight in the quad layout (qp replaces qs + sg: no byte more); other data kept."""
+    if w.qtype != GGMLType.IQ2_XXS:
+        raise ValueError(f"to_quad: the quad layout is IQ2_XXS's, got {w.qtype.name}")
+    if w.quad:
+        return w
+    qp = quad_pack(w.data["qs"], w.data["sg"])
+    rest = {k: v for k, v in w.data.items() if k not in ("qs", "sg")}
+    return PackedWeight(w.qtype, w.shape, {"qp": qp, **rest})
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Reference decode of the packed form (bit-identical to ds4.quant.dequantize: same float32 op order)
 
 
@@ -225,7 +291,7 @@ def _signed_grid(device: torch.device) -> torch.Tensor:
 
 def unpack(pw: PackedWeight) -> torch.Tensor:
     """float32 values of the packed weight, shape pw.shape (reference for the kernels)."""
-    qt, d = pw.qtype, pw.data
+    qt, d = pw.qtype, pw.split_data()
     if qt in PLAIN_DTYPES:
         return d["w"].float().reshape(pw.shape)
     n = pw.rows * pw.K // BLOCK_GEOMETRY[qt][0]  # blocks
@@ -256,4 +322,13 @@ def unpack(pw: PackedWeight) -> torch.Tensor:
     return out.reshape(pw.shape)
 
 
-__all__ = ["PackedWeight", "SUPPORTED", "iq2xxs_grid_i64", "pack", "unpack"]
+__all__ = [
+    "PackedWeight",
+    "SUPPORTED",
+    "iq2xxs_grid_i64",
+    "pack",
+    "quad_pack",
+    "quad_unpack",
+    "to_quad",
+    "unpack",
+]

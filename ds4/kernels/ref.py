@@ -138,7 +138,7 @@ def q8k_weight_ints(w) -> dict[str, torch.Tensor]:
     """
     from ds4.quant.types import GGMLType
 
-    N, K, data, nb = w.rows, w.K, w.data, w.K // 256
+    N, K, data, nb = w.rows, w.K, w.split_data(), w.K // 256
     if w.qtype == GGMLType.IQ2_XXS:
         grid, bits = _table_tensors(data["qs"].device)
         sg = data["sg"].reshape(N, nb * 8, 1)  # a1 word per 32-element sub-block

@@ -119,9 +119,12 @@ class WeightStore:
         E, rows, cols = self.shapes[name]
         raw, E = expert_rows(name, raw, E, rows * row_nbytes(qtype, cols))
         if self.kernels and _has_moe_kernels():
-            from ds4.kernels.packing import pack
+            from ds4.kernels.moe_grouped import QUAD_STACKS
+            from ds4.kernels.packing import pack, to_quad
 
-            return pack(raw.to(self.device).reshape(-1), qtype, (E, rows, cols))
+            w = pack(raw.to(self.device).reshape(-1), qtype, (E, rows, cols))
+            quad = QUAD_STACKS and qtype == GGMLType.IQ2_XXS  # the gate / up stacks (moe_grouped says why)
+            return to_quad(w) if quad else w
         data = raw.to(self.device).reshape(E, rows, row_nbytes(qtype, cols))
         return Packed(qtype, data.contiguous(), rows, cols)
 
