@@ -444,14 +444,16 @@ def _iq2_q8k_block(
     reduces once after its k loop (in-loop reductions cost barriers). GSUM: [BN, 8, 1] (see _iq2_q8k_dot).
     QP: the weights in the quad layout (qs / sg: its words as bytes / int32 halves), everything [BN, 4, 8]
     by (group, sub-block): _iq2_q8k_qp."""
-    if QP:
-        return _iq2_q8k_qp(qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A,
-                           SIGN_MATH, LDS)  # fmt: skip
-    idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)
-    return _iq2_q8k_dot(
-        idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER, LDS,
-        GSUM,
-    )  # fmt: skip
+    if QP:  # (if / else: Triton compiles the code after an early return inside a constexpr if too)
+        out = _iq2_q8k_qp(qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A,
+                          SIGN_MATH, LDS)  # fmt: skip
+    else:
+        idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)
+        out = _iq2_q8k_dot(
+            idx, a1, d, tab64, ksm, xlo, xhi, x2lo, x2hi, dx, tab_r, ksm_r, TERMS, DP4A, SIGN_MATH, GATHER,
+            LDS, GSUM,
+        )  # fmt: skip
+    return out
 
 
 @triton.jit
@@ -846,12 +848,15 @@ def _iq2_q8k_qp(
     pair t's first word (8 contiguous grid bytes, one per sub-block) as q8 bytes 16 t .. 16 t + 7, its second
     word's halves from q32 (sub-block s's sign index at bit 7 (s % 4) of half s // 4; sub-block s's scale in
     the top nibble of pair s // 2's half s % 2). x words alike ([1, 4, 8]: the launcher's xg)."""
-    t = tl.arange(0, 4)[None, :, None]
-    s = tl.arange(0, 8)[None, None, :]
-    h = wrow[:, None, None] * (nb * 16) + kt * 16  # [BN, 1, 1] the block's first int32 half
-    idx = tl.load(q8 + 4 * h + 16 * t + s).to(tl.int32)  # [BN, 4, 8]
-    si = (tl.load(q32 + h + 4 * t + 2 + s // 4) >> (7 * (s % 4))) & 127  # [BN, 4, 8]
-    ls = (tl.load(q32 + h + 4 * (s // 2) + 2 + s % 2) >> 28) & 15  # [BN, 1, 8]
+    BN: tl.constexpr = wrow.shape[0]
+    # the row's block as int32 [BN, 4 (t), 2 (word: grid, signs), 2 (half h)]: one contiguous 64-byte run
+    q = tl.arange(0, 16)
+    v = tl.reshape(tl.load(q32 + (wrow * (nb * 16) + kt * 16)[:, None] + q[None, :]), (BN, 4, 2, 2))
+    g, sw = tl.split(tl.permute(v, (0, 1, 3, 2)))  # [BN, 4, 2 (h)] grid bytes 4 h .. 4 h + 3, sign halves
+    i = tl.arange(0, 4)[None, None, None, :]
+    idx = tl.reshape((g[:, :, :, None] >> (8 * i)) & 255, (BN, 4, 8))  # sub-block s = 4 h + i
+    si = tl.reshape((sw[:, :, :, None] >> (7 * i)) & 127, (BN, 4, 8))
+    ls = tl.reshape((sw >> 28) & 15, (BN, 1, 8))  # sub-block 2 t + h
     wlo, whi = _signed_words(tab64, ksm, idx, si, SIGN_MATH, DP4A, False, LDS)
     dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
     if TERMS == 2:

@@ -153,6 +153,7 @@ def _variants() -> dict[str, dict]:
 
     return {
         "default": {},
+        "quad": {},  # session 31: the stacks in the quad layout alone (time_variants fills it: _quad_stacks)
         "hc comb main": {(cfused, "HC_COMB_SIDE"): False},  # the Sinkhorn inside the finish kernel
         "indexer sort": {(layer, "INDEXER_SELECT"): False, (layer, "INDEXER_WIDE"): False},  # the stable sort
         "hc post mix": {(cfused, "HC_POST_MIX"): True},  # the next HC site's partials in the post's launch
@@ -259,6 +260,22 @@ def _quad_pack_model(model) -> None:
             moe_grouped.quad_pack_stack(stack)
 
 
+def _quad_stacks(model) -> dict:
+    """Variant "quad": each layer's routed gate / up stacks swapped for quad-layout-only stacks (packing.
+    to_quad's form, as moe_grouped.QUAD_STACKS loads them) sharing a second copy packed beside the split one
+    (quad_pack_stack: ~1 GB more a layer, so ~20 layers on an H100)."""
+    from ds4.kernels import moe_grouped
+    from ds4.kernels.packing import PackedWeight
+
+    table = {}
+    for blk in model.layers:
+        for attr in ("gate_exps", "up_exps"):
+            w = getattr(blk.w.moe, attr)
+            moe_grouped.quad_pack_stack(w)
+            table[(blk.w.moe, attr)] = PackedWeight(w.qtype, w.shape, {"qp": w.data["qp"], "d": w.data["d"]})
+    return table
+
+
 def time_variants(
     names: list[str], batches: list[int], ctx: int, steps: int, rounds: int, layers: int
 ) -> None:
@@ -268,6 +285,8 @@ def time_variants(
     model = synthetic_model("q2", cfg=first_layers(layers))
     if any(getattr(v, "quad_pack", False) for n in names for v in table[n].values()):
         _quad_pack_model(model)
+    if "quad" in names:  # the engine with moe_grouped.QUAD_STACKS: every kernel reads the quad stacks
+        table["quad"] = _quad_stacks(model)
     V = model.cfg.n_vocab
     pool = model.new_states(max(batches), ctx + steps * (rounds + 2) * len(names) + 8)
     lg = model.forward(pool[0], prompt_tokens(ctx, V, 0))
