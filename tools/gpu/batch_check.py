@@ -153,7 +153,6 @@ def _variants() -> dict[str, dict]:
 
     return {
         "default": {},
-        "quad": {},  # session 31: the stacks in the quad layout alone (time_variants fills it: _quad_stacks)
         "hc comb main": {(cfused, "HC_COMB_SIDE"): False},  # the Sinkhorn inside the finish kernel
         "indexer sort": {(layer, "INDEXER_SELECT"): False, (layer, "INDEXER_WIDE"): False},  # the stable sort
         "hc post mix": {(cfused, "HC_POST_MIX"): True},  # the next HC site's partials in the post's launch
@@ -283,10 +282,12 @@ def time_variants(
     variants taking turns for `rounds` rounds; per (variant, B) the median step ms and tok/s."""
     table = _variants() | {n: _rows_variant(n) for n in names if n.startswith("rows:")}
     model = synthetic_model("q2", cfg=first_layers(layers))
-    if any(getattr(v, "quad_pack", False) for n in names for v in table[n].values()):
+    if any(getattr(v, "quad_pack", False) for n in names for v in table.get(n, {}).values()):
         _quad_pack_model(model)
-    if "quad" in names:  # the engine with moe_grouped.QUAD_STACKS: every kernel reads the quad stacks
+    if "quad" in names:  # session 31, the engine with moe_grouped.QUAD_STACKS (needs the model's stacks)
         table["quad"] = _quad_stacks(model)
+    if unknown := [n for n in names if n not in table]:
+        raise SystemExit(f"batch_check: unknown variants {unknown}")
     V = model.cfg.n_vocab
     pool = model.new_states(max(batches), ctx + steps * (rounds + 2) * len(names) + 8)
     lg = model.forward(pool[0], prompt_tokens(ctx, V, 0))
