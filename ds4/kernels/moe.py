@@ -442,10 +442,10 @@ def _iq2_q8k_block(
     wrow, with the plane-1 words xlo, xhi [1, 8, 4] (elements 0-3 / 4-7 of each group), the plane-2 words
     x2lo, x2hi (TERMS 2; v = 254 q1 + q2) and scale dx of x. The caller accumulates these per lane and
     reduces once after its k loop (in-loop reductions cost barriers). GSUM: [BN, 8, 1] (see _iq2_q8k_dot).
-    QP: the weights in the quad layout (qs / sg: its words as bytes / int32 halves), everything [BN, 4, 8]
+    QP: the weights in the quad layout (sg: its words as int32 halves; qs unused), everything [BN, 4, 8]
     by (group, sub-block): _iq2_q8k_qp."""
     if QP:  # (if / else: Triton compiles the code after an early return inside a constexpr if too)
-        out = _iq2_q8k_qp(qs, sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A,
+        out = _iq2_q8k_qp(sg, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS, DP4A,
                           SIGN_MATH, LDS)  # fmt: skip
     else:
         idx, a1, d = _iq2_load(qs, sg, dd, wrow, kt, nb)
@@ -841,22 +841,23 @@ def _iq2_q8k_dot(
 
 @triton.jit
 def _iq2_q8k_qp(
-    q8, q32, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS: tl.constexpr, DP4A: tl.constexpr,
+    q32, dd, tab64, ksm, wrow, kt, nb, xlo, xhi, x2lo, x2hi, dx, TERMS: tl.constexpr, DP4A: tl.constexpr,
     SIGN_MATH: tl.constexpr, LDS: tl.constexpr,
 ):  # fmt: skip
-    """_iq2_q8k_block's sums from the quad layout (packing.quad_pack), [BN, 4, 8] by (group t, sub-block s):
-    pair t's first word (8 contiguous grid bytes, one per sub-block) as q8 bytes 16 t .. 16 t + 7, its second
-    word's halves from q32 (sub-block s's sign index at bit 7 (s % 4) of half s // 4; sub-block s's scale in
-    the top nibble of pair s // 2's half s % 2). x words alike ([1, 4, 8]: the launcher's xg)."""
-    BN: tl.constexpr = wrow.shape[0]
-    # the row's block as int32 [BN, 4 (t), 2 (word: grid, signs), 2 (half h)]: one contiguous 64-byte run
-    q = tl.arange(0, 16)
-    v = tl.reshape(tl.load(q32 + (wrow * (nb * 16) + kt * 16)[:, None] + q[None, :]), (BN, 4, 2, 2))
-    g, sw = tl.split(tl.permute(v, (0, 1, 3, 2)))  # [BN, 4, 2 (h)] grid bytes 4 h .. 4 h + 3, sign halves
-    i = tl.arange(0, 4)[None, None, None, :]
-    idx = tl.reshape((g[:, :, :, None] >> (8 * i)) & 255, (BN, 4, 8))  # sub-block s = 4 h + i
-    si = tl.reshape((sw[:, :, :, None] >> (7 * i)) & 127, (BN, 4, 8))
-    ls = tl.reshape((sw >> 28) & 15, (BN, 1, 8))  # sub-block 2 t + h
+    """_iq2_q8k_block's sums from the quad layout (packing.quad_pack; q32: its words as int32 halves, 16 a
+    block), [BN, 4, 8] by (group t, sub-block s): pair t's grid word holds sub-block s's grid index in byte
+    s, its sign word sub-block s's sign index at bit 7 (s % 4) of half s // 4, and pair s // 2's sign word
+    sub-block s's scale in the top nibble of half s % 2. x words alike ([1, 4, 8]: the launcher's xg).
+    Every field is loaded as a [BN, 4, 8] int32 gather (repeats hit L1) with addresses whose contiguity
+    Triton cannot see (the scales' tl.where): so all take the one layout and none is converted through
+    shared memory. sm_90 (bench_moe.py --compile-only): 64 registers, 315 instructions a loop step, no
+    barrier; a contiguous byte load of the grid indices or a [BN, 1, 8] scale row cost 4-8 barriers."""
+    t = tl.arange(0, 4)[None, :, None]
+    s = tl.arange(0, 8)[None, None, :]
+    base = (wrow * (nb * 16) + kt * 16)[:, None, None]
+    idx = (tl.load(q32 + base + 4 * t + s // 4) >> (8 * (s % 4))) & 255
+    si = (tl.load(q32 + base + 4 * t + 2 + s // 4) >> (7 * (s % 4))) & 127
+    ls = (tl.load(q32 + base + 4 * (s // 2) + tl.where(s % 2 == 1, 3, 2) + 0 * t) >> 28) & 15
     wlo, whi = _signed_words(tab64, ksm, idx, si, SIGN_MATH, DP4A, False, LDS)
     dot = _dot4(whi, xhi, _dot4(wlo, xlo, 0, DP4A), DP4A)
     if TERMS == 2:
@@ -924,8 +925,8 @@ def _iq2_q8k_gate_up_kernel(
     conversions put barriers that the loads would otherwise wait behind); SIGN_MATH: sign masks computed,
     not gathered (_iq2_sign_bits); GATHER: table lookups by tl.gather from register copies (shared memory on
     the GPU) instead of global (L1) gathers; LDS: the nibble tables from a static shared copy (_lds_fill).
-    QP: the stacks in the quad layout (gq / uq their words as bytes, gs / us as int32; not with PREFETCH,
-    GATHER or GSUM), the per-lane sums [BN, 4, 8] by (group, sub-block)."""
+    QP: the stacks in the quad layout (gs / us their words as int32 halves, gq / uq unused; not with
+    PREFETCH, GATHER or GSUM), the per-lane sums [BN, 4, 8] by (group, sub-block)."""
     pdl_wait()  # inputs of the previous kernel (dispatch.PDL)
     if LDS:
         _lds_fill(tab64, ksm, DP4A)
@@ -1416,15 +1417,15 @@ def given_q8k(
 
 def _iq2_pair_args(wg: PackedWeight, wu: PackedWeight, cfg: MoeConfig) -> tuple[torch.Tensor, ...]:
     """The int8 gate/up kernel's weight arguments (gq, gs, gd, uq, us, ud): split stacks' grid bytes and
-    sub-block words as bytes; quad stacks' words as bytes and as int32 halves (QP)."""
+    sub-block words as bytes; quad stacks' words as int32 halves in both slots (QP reads the second)."""
     if wg.quad != wu.quad:
         raise ValueError("moe_gate_up: gate and up must share a layout (both quad or both split)")
     g, u = wg.data, wu.data
     if wg.quad:
         if cfg.prefetch or cfg.gather or cfg.gsum:
             raise ValueError("moe_gate_up: the quad layout's kernel has no prefetch, gather or gsum form")
-        return (g["qp"].view(torch.uint8), g["qp"].view(torch.int32), g["d"],
-                u["qp"].view(torch.uint8), u["qp"].view(torch.int32), u["d"])  # fmt: skip
+        gw, uw = g["qp"].view(torch.int32), u["qp"].view(torch.int32)
+        return gw, gw, g["d"], uw, uw, u["d"]
     gsb, usb = g["sg"].view(torch.uint8), u["sg"].view(torch.uint8)  # sub-block words read as bytes
     return g["qs"], gsb, g["d"], u["qs"], usb, u["d"]
 

@@ -368,7 +368,7 @@ def _int8_runs(quick: bool) -> list[tuple]:
         sig = sig | {"tab64": "*i16" if c.grid16 else "*i32", "ksm": "*i32"} if c.prmt else sig
         runs.append((f"gu {label(c)}", moe._iq2_q8k_gate_up_kernel, sig, consts, c.warps, weights))
         if c is _GU_DEF:  # session 31: the stacks in the quad layout (moe._iq2_q8k_qp)
-            qp_sig = sig | {"gs": "*i32", "us": "*i32"}
+            qp_sig = sig | {"gq": "*i32", "gs": "*i32", "uq": "*i32", "us": "*i32"}
             runs.append((f"gu {label(c)} qp", moe._iq2_q8k_gate_up_kernel, qp_sig, consts | {"QP": True},
                          c.warps, weights))  # fmt: skip
     for c in dn:
