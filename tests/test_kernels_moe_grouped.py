@@ -434,6 +434,8 @@ def test_mma_quad_layout_changes_no_bit(warps):
         moe_grouped.GroupedConfig(mma=True, prmt=True, quad_pack=True)
     with pytest.raises(ValueError, match="read by the mma kernel only"):
         moe_grouped.moe_gate_up_grouped(x, qg, qu, ids, 10.0, replace(cfg, mma=False, mma_ld128=False))
+    with pytest.raises(ValueError, match="read with 16-byte loads"):
+        moe_grouped.moe_gate_up_grouped(x, qg, qu, ids, 10.0, replace(cfg, mma_ld128=False))
 
 
 def test_quad_pack_words():

@@ -1251,6 +1251,8 @@ def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, 
     if qp:
         if "qp" not in g or "qp" not in u:
             raise ValueError("moe_gate_up_grouped: quad_pack needs the stacks packed first (quad_pack_stack)")
+        if not cfg.mma_ld128:
+            raise ValueError("moe_gate_up_grouped: the quad layout is read with 16-byte loads (mma_ld128)")
         gq, uq, gs, us = g["qp"], u["qp"], g["qp"], u["qp"]  # (gs / us unused)
         xq = quad_x(xq)
     else:
