@@ -276,7 +276,7 @@ def _quad_stacks(model) -> dict:
 
 
 def time_variants(
-    names: list[str], batches: list[int], ctx: int, steps: int, rounds: int, layers: int
+    names: list[str], batches: list[int], ctx: int, steps: int, rounds: int, layers: int, prefill: int = 0
 ) -> None:
     """Batched steps of the model per variant (module switches; the bucket graphs recaptured), the
     variants taking turns for `rounds` rounds; per (variant, B) the median step ms and tok/s."""
@@ -293,6 +293,7 @@ def time_variants(
     lg = model.forward(pool[0], prompt_tokens(ctx, V, 0))
     base, first, kv = pool[0].clone(), int(lg.argmax()), pool[0].pool
     times: dict[tuple[str, int], list[float]] = {}
+    fresh = model.new_state(prefill + 8) if prefill else None  # --prefill: one prompt a turn (B = 0 below)
     for _ in range(rounds):
         for name in names:
             saved = {key: getattr(*key) for key in table[name]}
@@ -311,14 +312,29 @@ def time_variants(
                     sync()
                     if rep:
                         times.setdefault((name, B), []).append((time.perf_counter() - t0) / steps)
+            if fresh is not None:
+                times.setdefault((name, 0), []).append(_prefill_s(model, fresh, prefill))
             for (mod, attr), value in saved.items():
                 setattr(mod, attr, value)
             _drop_graphs(kv, pool)
-    print(f"(b) variants at {ctx} ctx, median of {rounds} x {steps} steps:")
+    print(f"(b) variants at {ctx} ctx, median of {rounds} x {steps} steps (B = 0: {prefill}-token prefill):")
     for (name, B), ts in times.items():
         med = sorted(ts)[len(ts) // 2]
         ratio = med / sorted(times[("default", B)])[rounds // 2] if ("default", B) in times else 1.0
-        print(f"    {name:22s} B={B:3d} {1e3 * med:8.2f} ms  {B / med:8.1f} tok/s  x{1 / ratio:.3f}")
+        tps = (B or prefill) / med
+        print(f"    {name:22s} B={B:3d} {1e3 * med:8.2f} ms  {tps:8.1f} tok/s  x{1 / ratio:.3f}")
+
+
+def _prefill_s(model, state, n: int) -> float:
+    """Seconds of one n-token prefill into `state` from empty (after an untimed one: compiles, scratch)."""
+    V = model.cfg.n_vocab
+    for _ in range(2):
+        state.reset()
+        sync()
+        t0 = time.perf_counter()
+        model.forward(state, prompt_tokens(n, V, 1))
+        sync()
+    return time.perf_counter() - t0
 
 
 def _drop_graphs(kv, pool) -> None:
@@ -427,6 +443,7 @@ def main() -> int:
     )
     p.add_argument("--rounds", type=int, default=2, help="--variants: rounds of turns")
     p.add_argument("--layers", type=int, default=FLASH.n_layer, help="--variants: the first N layers only")
+    p.add_argument("--prefill", type=int, default=0, help="--variants: also time a prefill of N tokens")
     a = p.parse_args()
     if a.no_roundtrips:
         if os.environ.get("DS4_TRITON_FUSED") != "0" or os.environ.get("DS4_COMPILE") != "0":
@@ -441,7 +458,8 @@ def main() -> int:
         ok = check(a.check_batches.split(","), a.check_steps)
     if a.variants:
         names = ["default"] + [v for v in a.variants.split(",") if v != "default"]
-        time_variants(names, [int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.rounds, a.layers)
+        batches = [int(b) for b in a.batches.split(",")]
+        time_variants(names, batches, a.ctx, a.steps, a.rounds, a.layers, a.prefill)
     elif not a.skip_time:
         time_batches([int(b) for b in a.batches.split(",")], a.ctx, a.steps, a.repeats, a.plain)
     print("batch_check:", "all checks ok" if ok else "CHECK FAILED")

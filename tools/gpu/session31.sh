@@ -22,13 +22,14 @@ if [ "$1" = a ]; then
 fi
 #   part b: the quad layout in the engine (moe_grouped.QUAD_STACKS, packing.to_quad): 20-layer steps (30 on
 #           an H200) "quad" (every kernel on the quad-only stacks: the B = 1 step on moe._iq2_q8k_qp) and
-#           "grouped qp r128 from 1" at B = 1 / 32; the GPU tests of the quad readers; the batched-vs-alone
+#           "grouped qp r128 from 1" at B = 1 / 32 and an 8k prefill (B = 0: QT 116's dequantization; the
+#           prefill bar is only just met); the GPU tests of the quad readers; the batched-vs-alone
 #           check with DS4_MOE_QUAD=1; per layer at B = 1 / 2 / 4 against the pair kernel.
 if [ "$1" = b ]; then
   L=20
   [ "$H200" = 1 ] && L=30
-  TAIL=10 run steps 200 python3 tools/gpu/batch_check.py --skip-check --layers "$L" \
-    --variants "quad,grouped qp r128 from 1" --batches 1,32 --ctx 8192 --steps 16 --rounds 2
+  TAIL=10 run steps 240 python3 tools/gpu/batch_check.py --skip-check --layers "$L" \
+    --variants "quad,grouped qp r128 from 1" --batches 1,32 --ctx 8192 --steps 16 --rounds 2 --prefill 8192
   TAIL=4 run tests 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_kernels_moe.py \
     tests/test_kernels_quant.py tests/test_kernels_moe_grouped.py -k "quad"
   TAIL=12 run check 110 env DS4_MOE_QUAD=1 python3 tools/gpu/batch_check.py --skip-time \
