@@ -37,7 +37,7 @@ import triton  # noqa: E402
 
 from ds4.kernels import moe, moe_grouped, ref  # noqa: E402
 from ds4.kernels.moe_grouped import GroupedConfig  # noqa: E402
-from ds4.kernels.packing import pack  # noqa: E402
+from ds4.kernels.packing import PackedWeight, pack  # noqa: E402
 from ds4.quant import GGMLType, random_blocks  # noqa: E402
 
 IQ2, Q2K = GGMLType.IQ2_XXS, GGMLType.Q2_K
@@ -282,7 +282,17 @@ def check(layer, bias) -> bool:
             flag = "" if good else "  <-- FAIL"
             say(f"  check B={b:2d} vs {what:12s} {gu_label(cfg)[8:]:14s}/{dn_label(cfg)[8:]:14s}: mid "
                 f"{e_mid:.1e}, down {e_y:.1e}, chained {e_chain:.1e}, other ids 0 {zero}{flag}")  # fmt: skip
+        if b == CHECK_B[0] and "qp" in wg.data:  # the batch-1 pair kernel on the quad-only stacks
+            e_qp = rel_err(moe.moe_gate_up(x, quad_only(wg), quad_only(wu), safe, CLAMP, PAIR_GU), want_mid)
+            ok &= e_qp < 1e-6
+            say(f"  check B={b:2d} pair kernel on the quad layout vs the split: {e_qp:.1e}"
+                f"{'' if e_qp < 1e-6 else '  <-- FAIL'}")  # fmt: skip
     return ok
+
+
+def quad_only(w: PackedWeight) -> PackedWeight:
+    """The stack as moe_grouped.QUAD_STACKS loads it (qp and d alone), sharing the second copy's words."""
+    return PackedWeight(w.qtype, w.shape, {"qp": w.data["qp"], "d": w.data["d"]})
 
 
 def bench(layers, biases, t0) -> dict:
@@ -307,6 +317,12 @@ def bench(layers, biases, t0) -> dict:
                 [partial(moe.moe_gate_up, x[i], *layers[i][:2], ids[i], CLAMP, PAIR_GU) for i in L],
             )
         ]
+        if "qp" in layers[0][0].data:  # session 31: the batch-1 pair kernel on the quad-only stacks
+            gu.append((
+                PAIR_GU_LABEL + " qp",
+                [partial(moe.moe_gate_up, x[i], *map(quad_only, layers[i][:2]), ids[i], CLAMP, PAIR_GU)
+                 for i in L],
+            ))  # fmt: skip
         gu += [
             (gu_label(c), [partial(grouped_gu, x[i], *layers[i][:2], ids[i], c) for i in L])
             for c in GU_VARIANTS
