@@ -1224,7 +1224,7 @@ def moe_gate_up_grouped(
     xq, dx = given_q8k(x, cfg.terms, xq)
     g, u = wg.data, wu.data
     if cfg.mma:
-        _gate_up_mma(xq, dx, g, u, runs, out, clamp, cfg)
+        _gate_up_mma(xq, dx, g, u, runs, out, clamp, cfg, qp=cfg.quad_pack or wg.quad)
         return out
     if wg.quad or wu.quad:
         raise ValueError("moe_gate_up_grouped: stacks in the quad layout are read by the mma kernel only")
@@ -1241,13 +1241,14 @@ def moe_gate_up_grouped(
     return out
 
 
-def _gate_up_mma(xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, clamp: float, cfg) -> None:
+def _gate_up_mma(
+    xq, dx, g: dict, u: dict, runs: ExpertRuns, out: torch.Tensor, clamp: float, cfg, qp: bool
+) -> None:
     """_gate_up_mma_kernel's launch: planes xq [2, B, K] int8, scales dx, the gate / up stacks' packed data,
-    out [B, k, F]."""
+    out [B, k, F]; qp: read their quad-layout words (GroupedConfig.quad_pack, or quad stacks)."""
     B, k, F = out.shape
     K = xq.shape[2]
     ptx = xq.is_cuda
-    qp = cfg.quad_pack or "qs" not in g  # quad stacks (packing.to_quad) hold qp alone
     if qp:
         if "qp" not in g or "qp" not in u:
             raise ValueError("moe_gate_up_grouped: quad_pack needs the stacks packed first (quad_pack_stack)")
